@@ -1,0 +1,32 @@
+"""dsv4_cupy: DeepSeek-V4 sparse-MLA attention metadata, exact and CUDA-graph safe.
+
+The public functions keep the names and argument order of vLLM's DeepSeek-V4
+FlashMLA sparse metadata code. numpy and torch CPU arrays run on the numba CPU
+path; cupy and torch CUDA arrays run CuPy-compiled CUDA kernels on the
+caller's stream. Results are of the same kind as the inputs.
+"""
+from .arrays import to_torch
+from .builder import DeepseekV4MetadataBuilder
+from .c128a import build_c128a_topk_metadata
+from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
+                     UnsupportedDeviceError)
+from .kernels import warmup
+from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
+from .slot_mapping import get_compressed_slot_mapping
+from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, KV_BLOCK_SIZE,
+                   PAD_SLOT_ID, DeepseekV4FlashMLABackend, c128a_active_width, c128a_capacity,
+                   kv_cache_shape)
+from .split import split_decodes_and_prefills
+from .token_map import token_to_req_indices
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "token_to_req_indices", "split_decodes_and_prefills", "get_compressed_slot_mapping",
+    "build_c128a_topk_metadata", "CommonAttentionMetadata", "DeepseekV4Metadata",
+    "DeepseekV4MetadataBuilder", "DeepseekV4FlashMLABackend", "c128a_capacity",
+    "c128a_active_width", "kv_cache_shape", "warmup", "to_torch", "C128A_TOPK_ALIGNMENT",
+    "FP8_DS_MLA_BYTES_PER_TOKEN", "HEAD_SIZE", "KV_BLOCK_SIZE", "PAD_SLOT_ID", "Dsv4Error",
+    "KernelCompileError", "NoGPUError", "NVRTCMissingError", "UnsupportedDeviceError",
+    "__version__",
+]

@@ -1,0 +1,82 @@
+"""``get_compressed_slot_mapping``: where each token's compressed row is written."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays, cpu, kernels
+from .arrays import INT32, INT64
+
+
+def check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size) -> tuple[int, int, int]:
+    world = arrays.check_int("cp_world_size", cp_world_size, minimum=1)
+    rank = arrays.check_int("cp_rank", cp_rank, minimum=0, maximum=world - 1)
+    interleave = arrays.check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size,
+                                  minimum=1)
+    return world, rank, interleave
+
+
+def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table,
+                                block_size: int, compress_ratio: int, out=None, *,
+                                cp_world_size: int = 1, cp_rank: int = 0,
+                                cp_kv_cache_interleave_size: int = 1):
+    """Physical compressed-cache slot of every token that closes a compression group.
+
+    Parameters
+    ----------
+    num_tokens : int
+        Tokens in the step (``num_actual_tokens``).
+    query_start_loc : int32 array ``[R + 1]`` (at least ``block_table.shape[0] + 1``)
+    seq_lens : int32 array ``[>= R]``
+        Sequence lengths including this step's queries.
+    block_table : int32 array ``[R, max_blocks]`` (rows contiguous, any row stride)
+        One row per request; negative entries are read as 0 (the builder's
+        clamp) without changing the table.
+    block_size : int
+        *Storage* block size: rows per compressed block (``256 // compress_ratio``).
+    compress_ratio : int
+        4 (C4A) or 128 (C128A).
+    out : int64 array ``[>= num_tokens]``, optional
+        Persistent buffer: **all** of it is set to -1, then the slots are written.
+    cp_world_size, cp_rank, cp_kv_cache_interleave_size : int
+        Context-parallel sharding of the compressed cache (1, 0, 1: none).
+
+    Returns
+    -------
+    int64 array ``[num_tokens]`` (``out[:num_tokens]`` when given). The token at
+    ``pos = seq_len - query_len + j`` gets ``block_table[b, blk] * block_size + off``
+    when ``pos >= 0`` and ``(pos + 1) % compress_ratio == 0`` and this rank owns
+    the row, else -1. A block index past the table row gives -1, never a read
+    of the next row.
+    """
+    kind, device = arrays.common_kind({"query_start_loc": query_start_loc, "seq_lens": seq_lens,
+                                       "block_table": block_table, "out": out})
+    num_tokens = arrays.check_int("num_tokens", num_tokens, minimum=0)
+    block_size = arrays.check_int("block_size", block_size, minimum=1)
+    compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
+    world, rank, interleave = check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size)
+    arrays.check("block_table", block_table, kind, (INT32,), 2)
+    num_rows = block_table.shape[0]
+    arrays.check("query_start_loc", query_start_loc, kind, (INT32,), 1, min_len=num_rows + 1)
+    arrays.check("seq_lens", seq_lens, kind, (INT32,), 1, min_len=num_rows)
+    out = arrays.output("out", out, kind, device, INT64, num_tokens)
+    arrays.check_no_alias(kind, {"out": out}, {"query_start_loc": query_start_loc,
+                                               "seq_lens": seq_lens, "block_table": block_table})
+    out_len = out.shape[0]
+    if kind in arrays.GPU_KINDS:
+        if out_len:
+            a = arrays.kernel_arg
+            kernels.launch("slot_mapping.cu", "compressed_slot_mapping", device,
+                           kernels.elementwise_blocks(out_len),
+                           (a(query_start_loc, kind), a(seq_lens, kind), np.int32(num_rows),
+                            a(block_table, kind), np.int64(block_table.shape[1]),
+                            np.int64(arrays.row_stride(block_table, kind)), np.int64(block_size),
+                            np.int64(compress_ratio), np.int64(world), np.int64(rank),
+                            np.int64(interleave), np.int64(out_len), a(out, kind)),
+                           arrays.launch_stream(kind, device))
+    else:
+        h = arrays.host_view
+        cpu.compressed_slot_mapping(h(query_start_loc, kind), h(seq_lens, kind),
+                                    h(block_table, kind), np.int64(block_size),
+                                    np.int64(compress_ratio), np.int64(world), np.int64(rank),
+                                    np.int64(interleave), h(out, kind))
+    return out[:num_tokens]

@@ -1,0 +1,183 @@
+"""DeepSeek-V4 sparse-MLA facts: constants, C128A widths, KV-cache layout, backend.
+
+Everything here is plain integers and strings; nothing touches arrays or kernels.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from .arrays import check_int
+from .errors import NoGPUError, UnsupportedDeviceError
+
+#: FlashMLA decode asserts ``extra_topk % B_TOPK == 0`` with B_TOPK 64 or 128, and
+#: an unaligned width (17 for max_model_len 2136) crashed the sm100 head-64 kernel.
+C128A_TOPK_ALIGNMENT = 128
+#: Logical tokens per KV-cache block for every DeepSeek-V4 group.
+KV_BLOCK_SIZE = 256
+NOPE_HEAD_DIM = 448
+ROPE_HEAD_DIM = 64
+HEAD_SIZE = NOPE_HEAD_DIM + ROPE_HEAD_DIM
+#: fp8_ds_mla bytes per token: 448 fp8 NoPE + 64 bf16 RoPE (128 B) + 8 scale bytes.
+FP8_DS_MLA_BYTES_PER_TOKEN = NOPE_HEAD_DIM + 2 * ROPE_HEAD_DIM + 8
+#: Sentinel for "no slot" in slot mappings and top-k index rows.
+PAD_SLOT_ID = -1
+#: DeepSeek-V4 max_position_embeddings.
+MAX_POSITION_EMBEDDINGS = 1 << 20
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+
+
+def c128a_capacity(max_model_len: int) -> int:
+    """Columns of the persistent C128A buffers: ``round_up(cdiv(L, 128), 128)``.
+
+    65,536 -> 512; 262,144 -> 2048; 1,048,576 -> 8192; 2,136 -> 128.
+    """
+    max_model_len = check_int("max_model_len", max_model_len)
+    return round_up(cdiv(max_model_len, 128), C128A_TOPK_ALIGNMENT)
+
+
+def c128a_active_width(max_seq_len: int, capacity: int) -> int:
+    """The upstream (#52823) live width: ``clamp(next_pow2(max(max_seq_len // 128, 1)), 128, capacity)``.
+
+    Always a multiple of 128 (a power of two >= 128, or ``capacity``). The clamp
+    to ``capacity`` keeps a capture at ``max_seq_len`` slightly above
+    ``max_model_len`` (bug 4: the 1M-context capture assertion) inside the buffer.
+    """
+    max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
+    capacity = check_int("capacity", capacity)
+    if capacity % C128A_TOPK_ALIGNMENT:
+        raise ValueError(f"capacity must be a multiple of {C128A_TOPK_ALIGNMENT}, got {capacity}")
+    return min(max(next_power_of_2(max(max_seq_len // 128, 1)), 128), capacity)
+
+
+_CACHE_DTYPES = ("auto", "fp8_ds_mla", "fp8")
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                   cache_dtype: str = "auto") -> tuple[int, ...]:
+    """Shape of one layer's KV cache: ``(num_blocks, block_size, 584)`` bytes for
+    ``"fp8_ds_mla"`` (and its alias ``"fp8"``), else ``(num_blocks, block_size, head_size)``.
+
+    ``num_kv_heads`` is accepted for vLLM signature compatibility (MLA has one
+    latent head). The per-block byte stride of a real cache is padded (page
+    alignment 576): always read it from the cache tensor's ``stride(0)``.
+    """
+    num_blocks = check_int("num_blocks", num_blocks, minimum=0)
+    block_size = check_int("block_size", block_size)
+    check_int("num_kv_heads", num_kv_heads)
+    head_size = check_int("head_size", head_size)
+    if cache_dtype not in _CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {_CACHE_DTYPES}, got {cache_dtype!r}")
+    if cache_dtype in ("fp8_ds_mla", "fp8"):
+        return (num_blocks, block_size, FP8_DS_MLA_BYTES_PER_TOKEN)
+    return (num_blocks, block_size, head_size)
+
+
+@dataclass(frozen=True)
+class DeviceCapability:
+    major: int
+    minor: int
+
+    def __str__(self) -> str:
+        return f"sm_{self.major}{self.minor}"
+
+
+class DeepseekV4FlashMLABackend:
+    """Capability facts of vLLM's ``FLASHMLA_SPARSE_DSV4`` backend."""
+
+    name = "FLASHMLA_SPARSE_DSV4"
+    supported_dtypes = ("bfloat16",)
+    supported_kv_cache_dtypes = _CACHE_DTYPES
+    supported_kernel_block_sizes = (KV_BLOCK_SIZE,)
+    supported_head_sizes = (HEAD_SIZE,)
+    supported_compute_capability_majors = (9, 10)
+    cudagraph_support = "UNIFORM_BATCH"
+
+    @staticmethod
+    def get_name() -> str:
+        return DeepseekV4FlashMLABackend.name
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return list(DeepseekV4FlashMLABackend.supported_kernel_block_sizes)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(cls.supported_head_sizes)
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        """True for Hopper (9.x) and datacenter Blackwell (10.x); accepts an object
+        with ``.major`` or a ``(major, minor)`` pair."""
+        major = capability.major if hasattr(capability, "major") else capability[0]
+        return major in cls.supported_compute_capability_majors
+
+    get_kv_cache_shape = staticmethod(kv_cache_shape)
+
+    @classmethod
+    def current_device_capability(cls) -> DeviceCapability:
+        """The compute capability of CuPy's current device; raises ``NoGPUError``."""
+        from . import kernels
+        device = kernels.require_gpu()
+        cc = int(device.compute_capability)
+        return DeviceCapability(cc // 10, cc % 10)
+
+    @classmethod
+    def check_device(cls, *, strict: bool = False) -> DeviceCapability:
+        """Check the current device against the backend's compute capabilities.
+
+        The array functions are plain CUDA and run anywhere; an unsupported
+        device gets one ``UserWarning`` (or ``UnsupportedDeviceError`` with
+        ``strict=True``). ``NoGPUError`` when there is no usable GPU.
+        """
+        cap = cls.current_device_capability()
+        if not cls.supports_compute_capability(cap):
+            message = (f"{cls.name} supports compute capability 9.x and 10.x; "
+                       f"this device is {cap.major}.{cap.minor} ({cap})")
+            if strict:
+                raise UnsupportedDeviceError(message)
+            _warn_once(message)
+        return cap
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message + "; results are still computed by the generic CUDA kernels",
+                      UserWarning, stacklevel=3)
+
+
+__all__ = [
+    "C128A_TOPK_ALIGNMENT", "KV_BLOCK_SIZE", "HEAD_SIZE", "NOPE_HEAD_DIM", "ROPE_HEAD_DIM",
+    "FP8_DS_MLA_BYTES_PER_TOKEN", "PAD_SLOT_ID", "MAX_POSITION_EMBEDDINGS", "cdiv", "round_up",
+    "next_power_of_2", "c128a_capacity", "c128a_active_width", "kv_cache_shape",
+    "DeviceCapability", "DeepseekV4FlashMLABackend", "NoGPUError",
+]

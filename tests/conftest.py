@@ -1,0 +1,65 @@
+"""Test set-up: the GPU marker, array-kind helpers and the path to reference.py."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _gpu_capability():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return int(cupy.cuda.Device(0).compute_capability)
+    except Exception:
+        pass
+    return None
+
+
+GPU_CC = _gpu_capability()
+HAS_GPU = GPU_CC is not None
+
+try:
+    import torch  # noqa: F401
+    HAS_TORCH = True
+except ImportError:
+    HAS_TORCH = False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
+        if "arch_hopper" in item.keywords and GPU_CC is not None and GPU_CC // 10 != 9:
+            item.add_marker(pytest.mark.skip(reason="needs an sm_90 device"))
+        if "arch_blackwell" in item.keywords and (GPU_CC is None or GPU_CC // 10 != 10):
+            item.add_marker(pytest.mark.skip(reason="needs an sm_100 device"))
+
+
+def to_kind(x, kind):
+    """numpy -> the array kind under test (a copy on GPU)."""
+    if kind == "numpy":
+        return np.array(x, copy=True)
+    if kind == "cupy":
+        import cupy
+        return cupy.asarray(x)
+    import torch
+    tensor = torch.from_numpy(np.array(x, copy=True))
+    return tensor.cuda() if kind == "torch_cuda" else tensor
+
+
+def to_numpy(x):
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    return x.cpu().numpy()
+
+
+HOST_KINDS = ["numpy"] + (["torch_cpu"] if HAS_TORCH else [])
+GPU_KINDS = ["cupy"] + (["torch_cuda"] if HAS_TORCH else [])
