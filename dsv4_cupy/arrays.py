@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,63 +22,105 @@ _KIND_TEXT = {NUMPY: "a numpy array", TORCH_CPU: "a torch CPU tensor",
               CUPY: "a cupy array", TORCH_CUDA: "a torch CUDA tensor"}
 
 
+class Operand(NamedTuple):
+    """One array argument, probed once: everything the checks and the launch need."""
+
+    name: str
+    array: Any
+    kind: str
+    device: int          # CUDA device index, -1 for host memory
+    dtype: Any           # np.dtype, or the name of a dtype this library never takes
+    shape: tuple
+    strides: tuple       # in elements
+    ptr: int             # address of the first element
+
+
+_TORCH, _CUPY = "torch", "cupy"
+_FAMILY: dict = {np.ndarray: NUMPY}
+_TORCH_TO_NUMPY: dict = {}
+
+
 def _torch():
     return sys.modules.get("torch")
 
 
+def _family(x) -> str | None:
+    family = _FAMILY.get(type(x))
+    if family is None:
+        module = type(x).__module__
+        cupy, torch = sys.modules.get("cupy"), _torch()
+        if isinstance(x, np.ndarray):
+            family = NUMPY
+        elif module.startswith("cupy") and cupy is not None and isinstance(x, cupy.ndarray):
+            family = _CUPY
+        elif module.startswith("torch") and torch is not None and isinstance(x, torch.Tensor):
+            family = _TORCH
+        else:
+            return None
+        _FAMILY[type(x)] = family
+    return family
+
+
+def _torch_dtype(dtype):
+    found = _TORCH_TO_NUMPY.get(dtype)
+    if found is None:
+        torch = _torch()
+        _TORCH_TO_NUMPY.update({torch.int32: INT32, torch.int64: INT64,
+                                torch.int16: np.dtype(np.int16), torch.int8: np.dtype(np.int8),
+                                torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_),
+                                torch.float16: np.dtype(np.float16),
+                                torch.float32: np.dtype(np.float32),
+                                torch.float64: np.dtype(np.float64)})
+        found = _TORCH_TO_NUMPY.get(dtype, str(dtype).replace("torch.", ""))
+    return found
+
+
+def probe(name: str, x) -> Operand | None:
+    """Read kind, device, dtype, shape, strides and address of ``x`` (None stays None)."""
+    if x is None:
+        return None
+    family = _family(x)
+    if family is _TORCH:
+        if x.is_cuda:
+            return Operand(name, x, TORCH_CUDA, x.get_device(), _torch_dtype(x.dtype),
+                           tuple(x.shape), x.stride(), x.data_ptr())
+        return Operand(name, x, TORCH_CPU, -1, _torch_dtype(x.dtype), tuple(x.shape), x.stride(),
+                       x.data_ptr())
+    if family is _CUPY:
+        itemsize = x.itemsize
+        return Operand(name, x, CUPY, x.data.device_id, x.dtype, x.shape,
+                       tuple(s // itemsize for s in x.strides), x.data.ptr)
+    if family is NUMPY:
+        itemsize = x.itemsize
+        return Operand(name, x, NUMPY, -1, x.dtype, x.shape,
+                       tuple(s // itemsize for s in x.strides), x.__array_interface__["data"][0])
+    raise TypeError(f"{name}: expected a numpy, cupy or torch array, got {type(x).__name__}")
+
+
 def kind_of(x) -> str | None:
     """The kind of ``x``, or None when it is not an array this library takes."""
-    if isinstance(x, np.ndarray):
-        return NUMPY
-    module = type(x).__module__
-    if module.startswith("cupy"):
-        cp = sys.modules.get("cupy")
-        if cp is not None and isinstance(x, cp.ndarray):
-            return CUPY
-    elif module.startswith("torch"):
-        torch = _torch()
-        if torch is not None and isinstance(x, torch.Tensor):
-            return TORCH_CUDA if x.is_cuda else TORCH_CPU
-    return None
+    family = _family(x)
+    if family is _TORCH:
+        return TORCH_CUDA if x.is_cuda else TORCH_CPU
+    return CUPY if family is _CUPY else family
 
 
 def describe(x) -> str:
-    kind = kind_of(x)
-    if kind is None:
+    """'a torch CUDA tensor on cuda:0' and the like, for error messages."""
+    op = probe("x", x) if _family(x) else None
+    if op is None:
         return type(x).__name__
-    text = _KIND_TEXT[kind]
-    if kind in GPU_KINDS:
-        text += f" on cuda:{device_of(x, kind)}"
-    return text
+    text = _KIND_TEXT[op.kind]
+    return text + (f" on cuda:{op.device}" if op.device >= 0 else "")
 
 
 def device_of(x, kind: str) -> int:
     """CUDA device index, or -1 for host memory."""
     if kind == CUPY:
-        return x.device.id
+        return x.data.device_id
     if kind == TORCH_CUDA:
         return x.get_device()
     return -1
-
-
-_TORCH_TO_NUMPY: dict = {}
-
-
-def dtype_of(x, kind: str) -> np.dtype:
-    if kind in (NUMPY, CUPY):
-        return x.dtype
-    dt = _TORCH_TO_NUMPY.get(x.dtype)
-    if dt is None:
-        torch = _torch()
-        table = {torch.int32: INT32, torch.int64: INT64, torch.int16: np.dtype(np.int16),
-                 torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8),
-                 torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
-                 torch.float16: np.dtype(np.float16), torch.bool: np.dtype(np.bool_)}
-        _TORCH_TO_NUMPY.update(table)
-        dt = table.get(x.dtype)
-        if dt is None:
-            return str(x.dtype).replace("torch.", "")  # an unsupported dtype, shown by name
-    return dt
 
 
 def _to_torch_dtype(dtype: np.dtype):
@@ -87,12 +130,13 @@ def _to_torch_dtype(dtype: np.dtype):
 
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a Python int in ``[minimum, maximum]``; bools and floats are refused."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if type(value) is not int:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected an int, got bool")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -100,111 +144,88 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     return value
 
 
-def common_kind(arrays: dict) -> tuple[str, int]:
-    """The one kind and device shared by all non-None ``arrays`` (name -> array).
+def probe_all(arrays: dict) -> tuple[str, int, dict]:
+    """Probe every array (name -> array or None); all must share one kind and device.
 
-    Mixed kinds or devices are an error: a silent copy would hide a sync.
+    Returns ``(kind, device, {name: Operand or None})``. Mixed kinds or devices
+    are an error: a silent copy would hide a sync.
     """
-    kind = device = first = None
+    ops = {}
+    first = None
     for name, x in arrays.items():
-        if x is None:
+        op = ops[name] = probe(name, x)
+        if op is None:
             continue
-        k = kind_of(x)
-        if k is None:
-            raise TypeError(f"{name}: expected a numpy, cupy or torch array, got {type(x).__name__}")
-        d = device_of(x, k)
-        if kind is None:
-            kind, device, first = k, d, name
-        elif k != kind or d != device:
-            raise TypeError(f"{name}: expected {describe(arrays[first])} like {first}, "
+        if first is None:
+            first = op
+        elif op.kind != first.kind or op.device != first.device:
+            raise TypeError(f"{name}: expected {describe(first.array)} like {first.name}, "
                             f"got {describe(x)}; all arrays of one call must share kind and device")
-    if kind is None:
+    if first is None:
         raise TypeError("expected at least one array argument")
-    return kind, device
+    return first.kind, first.device, ops
 
 
-def check(name: str, x, kind: str, dtypes: tuple, ndim: int, min_len: int | None = None,
+def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
           min_cols: int | None = None) -> np.dtype:
-    """Check one array that ``common_kind`` already matched; returns its numpy dtype.
+    """Check one probed array; returns its numpy dtype.
 
     1-D arrays must be contiguous; 2-D arrays need contiguous rows and may have
     any row stride (so slices of persistent buffers are taken as they are).
     """
-    dt = dtype_of(x, kind)
-    if dt not in dtypes:
+    name, shape = op.name, op.shape
+    if op.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {want}, got {dt}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(x.shape)}")
-    if min_len is not None and x.shape[0] < min_len:
-        raise ValueError(f"{name}: expected at least {min_len} rows, got shape {tuple(x.shape)}")
-    if min_cols is not None and x.shape[1] < min_cols:
-        raise ValueError(f"{name}: expected at least {min_cols} columns, got shape {tuple(x.shape)}")
-    if not _rows_contiguous(x, kind, ndim, dt.itemsize):
+        raise TypeError(f"{name}: expected dtype {want}, got {op.dtype}")
+    if len(shape) != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {shape}")
+    if min_len is not None and shape[0] < min_len:
+        raise ValueError(f"{name}: expected at least {min_len} rows, got shape {shape}")
+    if min_cols is not None and shape[1] < min_cols:
+        raise ValueError(f"{name}: expected at least {min_cols} columns, got shape {shape}")
+    if not _rows_contiguous(op):
         raise ValueError(f"{name}: expected a C-contiguous array (2-D: contiguous rows, any row "
-                         f"stride), got strides {_strides(x, kind, dt.itemsize)} (elements); "
-                         f"pass a contiguous copy")
-    return dt
+                         f"stride), got strides {op.strides} (elements); pass a contiguous copy")
+    return op.dtype
 
 
-def _numel(x, kind: str) -> int:
-    return x.numel() if kind in (TORCH_CPU, TORCH_CUDA) else x.size
-
-
-def _strides(x, kind: str, itemsize: int) -> tuple:
-    if kind in (TORCH_CPU, TORCH_CUDA):
-        return tuple(x.stride())
-    return tuple(s // itemsize for s in x.strides)
-
-
-def _rows_contiguous(x, kind: str, ndim: int, itemsize: int) -> bool:
-    if _numel(x, kind) == 0:
+def _rows_contiguous(op: Operand) -> bool:
+    shape, strides = op.shape, op.strides
+    if len(shape) == 1:
+        return shape[0] <= 1 or strides[0] == 1
+    rows, cols = shape
+    if rows == 0 or cols == 0:
         return True
-    strides = _strides(x, kind, itemsize)
-    if ndim == 1:
-        return x.shape[0] <= 1 or strides[0] == 1
-    rows, cols = x.shape
     return (cols <= 1 or strides[1] == 1) and (rows <= 1 or strides[0] >= cols)
 
 
-def row_stride(x, kind: str) -> int:
+def row_stride(op: Operand) -> int:
     """Elements between rows of a 2-D array (at least its width: a one-row view
     may report any stride)."""
-    stride = x.stride(0) if kind in (TORCH_CPU, TORCH_CUDA) else x.strides[0] // x.itemsize
-    return stride if x.shape[0] > 1 else max(stride, x.shape[1])
+    return op.strides[0] if op.shape[0] > 1 else max(op.strides[0], op.shape[1])
 
 
-def data_ptr(x, kind: str) -> int:
-    if kind in (TORCH_CPU, TORCH_CUDA):
-        return x.data_ptr()
-    if kind == CUPY:
-        return x.data.ptr
-    return x.__array_interface__["data"][0]
+def _span(op: Operand) -> tuple[int, int]:
+    """Byte range [start, end) that a checked (rows-contiguous) array can touch."""
+    shape = op.shape
+    if 0 in shape:
+        return op.ptr, op.ptr
+    last = (shape[0] - 1) * op.strides[0] + (shape[1] if len(shape) == 2 else 1)
+    return op.ptr, op.ptr + last * op.dtype.itemsize
 
 
-def _span(x, kind: str) -> tuple[int, int]:
-    """Byte range [start, end) that ``x`` can touch."""
-    start = data_ptr(x, kind)
-    if _numel(x, kind) == 0:
-        return start, start
-    itemsize = dtype_of(x, kind).itemsize
-    strides = _strides(x, kind, itemsize)
-    last = sum((n - 1) * s for n, s in zip(x.shape, strides))
-    return start, start + (last + 1) * itemsize
-
-
-def check_no_alias(kind: str, outputs: dict, inputs: dict) -> None:
+def check_no_alias(outputs: list, inputs: list) -> None:
     """Outputs must not overlap inputs or each other (a kernel would read what it wrote)."""
-    spans = [(name, _span(x, kind)) for name, x in inputs.items() if x is not None]
-    for name, x in outputs.items():
-        if x is None:
+    spans = [(op.name, _span(op)) for op in inputs if op is not None]
+    for op in outputs:
+        if op is None:
             continue
-        lo, hi = _span(x, kind)
+        lo, hi = _span(op)
         for other, (olo, ohi) in spans:
             if lo < ohi and olo < hi:
-                raise ValueError(f"{name}: output memory overlaps {other}; "
+                raise ValueError(f"{op.name}: output memory overlaps {other}; "
                                  f"pass separate buffers for outputs and inputs")
-        spans.append((name, (lo, hi)))
+        spans.append((op.name, (lo, hi)))
 
 
 def host_view(x, kind: str) -> np.ndarray:
@@ -226,27 +247,32 @@ def empty(kind: str, device: int, shape: tuple, dtype) -> object:
     return torch.empty(shape, dtype=_to_torch_dtype(dtype), device=dev)
 
 
-def full_like_kind(like: str, shape: tuple, dtype, value: int, device: int | None = None):
-    """A ``value``-filled array of a kind named as in ``DeepseekV4MetadataBuilder(like=...)``
-    ("torch" is CUDA when available); ``device`` None or -1 means the current one."""
-    if like not in ("numpy", "cupy", "torch"):
-        raise ValueError(f"like: expected 'numpy', 'cupy' or 'torch', got {like!r}")
-    if device is not None and device < 0:
-        device = None
-    if like == "numpy":
-        return np.full(shape, value, dtype)
-    if like == "cupy":
-        import cupy
-        from .kernels import require_gpu
-        require_gpu()
-        with cupy.cuda.Device(device):
-            return cupy.full(shape, value, dtype)
-    torch = _require_torch()
-    if torch.cuda.is_available():
-        target = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+def full_like_kind(like, shape: tuple, dtype, value: int, device: int | None = None):
+    """A ``value``-filled array of the kind ``like`` names: "numpy", "cupy",
+    "torch" (CUDA when available, else CPU), or an array whose kind and device
+    to follow. ``device`` None or -1 means the current one."""
+    kind = kind_of(like)
+    if kind is not None:
+        device = device_of(like, kind)
+    elif like in ("numpy", "cupy"):
+        kind = like
+    elif like == "torch":
+        kind = TORCH_CUDA if _require_torch().cuda.is_available() else TORCH_CPU
     else:
-        target = torch.device("cpu")
-    return torch.full(shape, value, dtype=_to_torch_dtype(dtype), device=target)
+        raise ValueError(f"like: expected 'numpy', 'cupy', 'torch' or an array, got {like!r}")
+    if device is None or device < 0:
+        device = -1
+        if kind == CUPY:
+            from .kernels import require_gpu
+            device = require_gpu().id
+        elif kind == TORCH_CUDA:
+            device = _torch().cuda.current_device()
+    array = empty(kind, device, shape, dtype)
+    if kind in (TORCH_CPU, TORCH_CUDA):
+        array.fill_(value)
+    else:
+        array.fill(value)
+    return array
 
 
 def _require_torch():
@@ -257,30 +283,16 @@ def _require_torch():
     return torch
 
 
-_STREAMS: dict = {}
-
-
-def launch_stream(kind: str, device: int):
-    """The stream a launch must go on: CuPy's current stream for cupy (None),
-    torch's current stream (wrapped once per handle) for torch, so launches
-    follow ``torch.cuda.stream(...)`` and ``torch.cuda.graph`` captures."""
-    if kind != TORCH_CUDA:
-        return None
-    handle = _torch().cuda.current_stream(device)
-    key = (device, handle.cuda_stream)
-    stream = _STREAMS.get(key)
-    if stream is None:
-        import cupy
-        with cupy.cuda.Device(device):
-            stream = cupy.cuda.Stream.from_external(handle)
-        _STREAMS[key] = stream
-    return stream
-
-
-def kernel_arg(x, kind: str):
-    """A pointer argument: cupy arrays pass themselves, torch passes data_ptr()
-    (an int64 has pointer size; ~30x cheaper than a DLPack round trip)."""
-    return x if kind == CUPY else x.data_ptr()
+def launch_stream(kind: str, device: int) -> int:
+    """The stream handle a launch on ``device`` must use: CuPy's current stream
+    for cupy, torch's current stream for torch, so launches follow
+    ``with cupy.cuda.Stream()``, ``torch.cuda.stream(...)`` and graph captures."""
+    if kind == TORCH_CUDA:
+        torch = _torch()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # no Stream object
+        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    import cupy
+    return cupy.cuda.get_current_stream(device).ptr
 
 
 def to_torch(x):
@@ -296,10 +308,10 @@ def to_torch(x):
     raise TypeError(f"x: expected a numpy, cupy or torch array, got {type(x).__name__}")
 
 
-def output(name: str, out, kind: str, device: int, dtype: np.dtype, rows: int,
-           cols: int | None = None):
-    """``out`` checked to hold ``rows`` (x ``cols``) of ``dtype``, or a new array."""
-    if out is None:
-        return empty(kind, device, (rows,) if cols is None else (rows, cols), dtype)
-    check(name, out, kind, (dtype,), 1 if cols is None else 2, min_len=rows, min_cols=cols)
-    return out
+def output(name: str, op: Operand | None, kind: str, device: int, dtype: np.dtype, rows: int,
+           cols: int | None = None) -> Operand:
+    """A probed ``out`` checked to hold ``rows`` (x ``cols``) of ``dtype``, or a new array."""
+    if op is None:
+        return probe(name, empty(kind, device, (rows,) if cols is None else (rows, cols), dtype))
+    check(op, (dtype,), 1 if cols is None else 2, min_len=rows, min_cols=cols)
+    return op

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, kernels
+from . import arrays, cpu, kernels, params, validation
 from .arrays import INT32, INT64
-from .c128a import POSITION_DTYPES, SLOT_DTYPES, check_request_ids, entry_name
+from .c128a import POSITION_DTYPES, SLOT_DTYPES, entry_name
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .spec import KV_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width, c128a_capacity
 from .split import split_host
@@ -36,11 +36,17 @@ class DeepseekV4MetadataBuilder:
         width ``c128a_active_width(max_seq_len, capacity)``. The row stride is
         the capacity either way (a batch-dependent stride broke captured
         decode consumers, vLLM #52448).
-    like : "numpy", "cupy" or "torch"
+    like : "numpy", "cupy", "torch" or an array
         Kind of the persistent buffers; the step's arrays must be of that kind
-        (torch: CUDA when available, else CPU).
+        ("torch" is CUDA when available, else CPU; an array gives its own kind
+        and device).
     device : int, optional
         CUDA device for GPU buffers (default: the current one).
+    validate : "default" or "full"
+        "full" makes every build also check the step's data (a sync on GPU):
+        query layout, ``seq_len >= query_len``, decodes before prefills,
+        request ids and block columns inside the table and, with
+        ``num_cache_blocks``, block ids inside the cache. For debugging.
 
     Buffers: ``req_id_per_token_buffer`` int32 ``[max_num_batched_tokens]``;
     ``compressed_slot_mapping_buffer`` int64 ``[max_num_batched_tokens]`` (ratio > 1);
@@ -52,7 +58,8 @@ class DeepseekV4MetadataBuilder:
     def __init__(self, compress_ratio: int, max_model_len: int, max_num_batched_tokens: int, *,
                  block_size: int = KV_BLOCK_SIZE, index_topk: int = 512,
                  num_speculative_tokens: int = 0, width_policy: str = "capacity",
-                 like: str = "numpy", device: int | None = None):
+                 like="numpy", device: int | None = None, validate: str = "default",
+                 num_cache_blocks: int | None = None):
         self.compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
         self.max_model_len = arrays.check_int("max_model_len", max_model_len, minimum=1)
         self.max_num_batched_tokens = arrays.check_int("max_num_batched_tokens",
@@ -64,6 +71,8 @@ class DeepseekV4MetadataBuilder:
         if width_policy not in WIDTH_POLICIES:
             raise ValueError(f"width_policy: expected one of {WIDTH_POLICIES}, got {width_policy!r}")
         self.width_policy = width_policy
+        self.full_validation = validation.check_mode(validate)
+        self.num_cache_blocks = num_cache_blocks
         self.storage_block_size = self.block_size // self.compress_ratio
         if self.compress_ratio > 1 and self.storage_block_size < 1:
             raise ValueError(f"block_size: expected a multiple of compress_ratio "
@@ -90,6 +99,15 @@ class DeepseekV4MetadataBuilder:
         if self.kind in arrays.GPU_KINDS:
             DeepseekV4FlashMLABackend.check_device()
         self._views: dict = {}
+        # Launch arguments that never change: buffer addresses and constants.
+        self._buffer_ptrs = tuple(
+            arrays.probe(name, buffer).ptr if buffer is not None else 0
+            for name, buffer in (("req", self.req_id_per_token_buffer),
+                                 ("csm", self.compressed_slot_mapping_buffer),
+                                 ("gd", self.c128a_global_decode_buffer),
+                                 ("lens", self.c128a_decode_lens_buffer),
+                                 ("pf", self.c128a_prefill_buffer)))
+        self._slot_buffer_len = n if self.compressed_slot_mapping_buffer is not None else 0
 
     def width(self, max_seq_len: int) -> int:
         """C128A columns written this step (0 unless compress_ratio is 128)."""
@@ -109,42 +127,46 @@ class DeepseekV4MetadataBuilder:
         views of the persistent buffers.
         """
         cm = common_attn_metadata
-        kind, device = self.kind, self.device
         ratio = self.compress_ratio
-        step = self._check_step(cm)
-        num_tokens, positions, slot_mapping, block_table = step
-        qsl_cpu = arrays.host_view(cm.query_start_loc_cpu, arrays.kind_of(cm.query_start_loc_cpu))
+        num_tokens, qsl_cpu, ops = self._check_step(cm)
+        table = ops["block_table_tensor"]
         if ratio == 128:
             num_decodes, num_prefills, nd, num_prefill = split_host(
                 qsl_cpu, self.decode_threshold, False, num_tokens, cm.max_query_len)
         else:
             num_decodes = num_prefills = nd = num_prefill = 0
+        if nd and min(table.shape) == 0:
+            raise ValueError("block_table_tensor: expected at least one row and column for "
+                             f"C128A decode lookups, got shape {table.shape}")
+        if self.full_validation:
+            self._check_step_data(cm, qsl_cpu, num_tokens, nd, num_decodes)
         # The C128A rows cover the split's tokens (none for a batch of padding only).
         c128a_tokens = nd + num_prefill
         width = self.width(cm.max_seq_len) if c128a_tokens else 0
 
-        if kind in arrays.GPU_KINDS:
-            self._launch(cm, num_tokens, c128a_tokens, nd, width, positions, slot_mapping,
-                         block_table)
+        if self.kind in arrays.GPU_KINDS:
+            self._launch(cm.num_reqs, ops, num_tokens, c128a_tokens, nd, width)
         else:
-            self._run_cpu(cm, num_tokens, c128a_tokens, nd, num_decodes, width, positions,
-                          slot_mapping, block_table)
+            self._run_cpu(cm, num_tokens, c128a_tokens, nd, num_decodes, width)
 
         req_view, csm_view, gd_view, lens_view, pf_view = self._result_views(
             num_tokens, nd, num_prefill, width)
         return DeepseekV4Metadata(
             num_reqs=cm.num_reqs, max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
             num_actual_tokens=num_tokens, query_start_loc=cm.query_start_loc,
-            slot_mapping=csm_view if ratio > 1 else slot_mapping, block_table=block_table,
-            req_id_per_token=req_view, block_size=self.block_size, topk_tokens=self.topk_tokens,
-            num_decodes=num_decodes, num_prefills=num_prefills, num_decode_tokens=nd,
-            num_prefill_tokens=num_prefill,
+            slot_mapping=csm_view if ratio > 1 else cm.slot_mapping,
+            block_table=cm.block_table_tensor, req_id_per_token=req_view,
+            block_size=self.block_size, topk_tokens=self.topk_tokens, num_decodes=num_decodes,
+            num_prefills=num_prefills, num_decode_tokens=nd, num_prefill_tokens=num_prefill,
             c128a_global_decode_topk_indices=gd_view if nd else None,
             c128a_decode_topk_lens=lens_view if nd else None,
             c128a_prefill_topk_indices=pf_view if num_prefill else None)
 
     def _check_step(self, cm: CommonAttentionMetadata):
-        """Validate the step's arrays (kind, device, dtypes, lengths); no sync."""
+        """Validate the step's arrays (kind, device, dtypes, lengths); no sync.
+
+        Returns ``(num_actual_tokens, query_start_loc_cpu as numpy, probed arrays)``.
+        """
         if not isinstance(cm, CommonAttentionMetadata):
             raise TypeError("common_attn_metadata: expected a CommonAttentionMetadata, "
                             f"got {type(cm).__name__}")
@@ -156,70 +178,76 @@ class DeepseekV4MetadataBuilder:
         needs_positions = self.compress_ratio == 128 and num_tokens > 0
         if needs_positions and cm.positions is None:
             raise ValueError("positions: required for C128A metadata (compress_ratio 128), got None")
-        step = {"query_start_loc": cm.query_start_loc, "seq_lens": cm.seq_lens,
-                "block_table_tensor": cm.block_table_tensor, "slot_mapping": cm.slot_mapping,
-                "positions": cm.positions if needs_positions else None}
-        kind, device = arrays.common_kind(step)
+        kind, device, ops = arrays.probe_all({
+            "query_start_loc": cm.query_start_loc, "seq_lens": cm.seq_lens,
+            "block_table_tensor": cm.block_table_tensor, "slot_mapping": cm.slot_mapping,
+            "positions": cm.positions if needs_positions else None})
         if (kind, device) != (self.kind, self.device):
             raise TypeError(f"common_attn_metadata: expected arrays like the builder's buffers "
                             f"({arrays.describe(self.req_id_per_token_buffer)}), got "
                             f"{arrays.describe(cm.query_start_loc)}")
-        qsl_cpu_kind = arrays.kind_of(cm.query_start_loc_cpu)
-        if qsl_cpu_kind not in (arrays.NUMPY, arrays.TORCH_CPU):
+        qsl_cpu = arrays.probe("query_start_loc_cpu", cm.query_start_loc_cpu)
+        if qsl_cpu.kind not in (arrays.NUMPY, arrays.TORCH_CPU):
             raise TypeError("query_start_loc_cpu: expected a host array (numpy or torch CPU), "
                             f"got {arrays.describe(cm.query_start_loc_cpu)}")
-        arrays.check("query_start_loc_cpu", cm.query_start_loc_cpu, qsl_cpu_kind, (INT32, INT64),
-                     1, min_len=num_reqs + 1)
-        block_table = cm.block_table_tensor
-        arrays.check("block_table_tensor", block_table, kind, (INT32,), 2)
-        if block_table.shape[0] > num_reqs:
+        arrays.check(qsl_cpu, (INT32, INT64), 1, min_len=num_reqs + 1)
+        table = ops["block_table_tensor"]
+        arrays.check(table, (INT32,), 2)
+        if table.shape[0] > num_reqs:
             raise ValueError(f"block_table_tensor: expected at most num_reqs ({num_reqs}) rows, "
-                             f"got shape {tuple(block_table.shape)}")
-        arrays.check("query_start_loc", cm.query_start_loc, kind, (INT32,), 1, min_len=num_reqs + 1)
-        arrays.check("seq_lens", cm.seq_lens, kind, (INT32,), 1, min_len=block_table.shape[0])
-        arrays.check("slot_mapping", cm.slot_mapping, kind, SLOT_DTYPES, 1, min_len=num_tokens)
+                             f"got shape {table.shape}")
+        arrays.check(ops["query_start_loc"], (INT32,), 1, min_len=num_reqs + 1)
+        arrays.check(ops["seq_lens"], (INT32,), 1, min_len=table.shape[0])
+        arrays.check(ops["slot_mapping"], SLOT_DTYPES, 1, min_len=num_tokens)
         if needs_positions:
-            arrays.check("positions", cm.positions, kind, POSITION_DTYPES, 1, min_len=num_tokens)
-            if block_table.shape[0] == 0 or block_table.shape[1] == 0:
-                raise ValueError("block_table_tensor: expected at least one row and column for "
-                                 f"C128A decode lookups, got shape {tuple(block_table.shape)}")
-        return num_tokens, cm.positions, cm.slot_mapping, block_table
+            arrays.check(ops["positions"], POSITION_DTYPES, 1, min_len=num_tokens)
+        return num_tokens, arrays.host_view(qsl_cpu.array, qsl_cpu.kind), ops
 
-    def _launch(self, cm, num_tokens, c128a_tokens, nd, width, positions, slot_mapping,
-                block_table):
-        kind, device = self.kind, self.device
-        a = arrays.kernel_arg
-        csm = self.compressed_slot_mapping_buffer
-        csm_len = csm.shape[0] if csm is not None else 0
+    def _check_step_data(self, cm, qsl_cpu, num_tokens, nd, num_decodes):
+        """``validate="full"``: the step's data (reads device arrays)."""
+        kind, table = self.kind, cm.block_table_tensor
+        validation.query_layout(cm.query_start_loc, cm.seq_lens, kind, table.shape[0], num_tokens)
+        validation.decodes_first(qsl_cpu, self.decode_threshold)
+        if self.compress_ratio > 1:
+            validation.slot_mapping_inputs(cm.query_start_loc, cm.seq_lens, table, kind,
+                                           self.storage_block_size, self.compress_ratio, 1,
+                                           self.num_cache_blocks)
+        if nd:
+            ids = np.empty(nd, np.int32)
+            qsl = validation.host_copy(cm.query_start_loc, kind)
+            cpu.token_to_req_indices(qsl, np.int64(nd), ids)
+            validation.c128a_inputs(cm.positions, ids, table[:num_decodes], kind, nd, 128,
+                                    self.width(cm.max_seq_len), self.storage_block_size,
+                                    self.num_cache_blocks, ids_kind=arrays.NUMPY)
+
+    def _launch(self, num_reqs, ops, num_tokens, c128a_tokens, nd, width):
+        """The fused step kernel: token map, whole slot-mapping buffer, C128A rows."""
+        table, positions = ops["block_table_tensor"], ops["positions"]
         if c128a_tokens:
-            per_block, chunks = kernels.row_geometry(c128a_tokens, width, device)
-            positions_dtype = arrays.dtype_of(positions, kind)
+            per_block, chunks = kernels.row_geometry(c128a_tokens, width, self.device)
+            positions_dtype = positions.dtype
         else:
             per_block, chunks, positions_dtype = 0, 1, INT64
         row_blocks = c128a_tokens * chunks if per_block else 0
-        token_blocks = -(-max(num_tokens, csm_len) // kernels.THREADS)
+        token_blocks = -(-max(num_tokens, self._slot_buffer_len) // kernels.THREADS)
         if row_blocks + token_blocks == 0:
             return
-        gd, lens, pf = (self.c128a_global_decode_buffer, self.c128a_decode_lens_buffer,
-                        self.c128a_prefill_buffer)
-        stride = np.int64(self.capacity)
-        name = entry_name("build_step", positions_dtype, arrays.dtype_of(slot_mapping, kind))
-        kernels.launch("build_step.cu", name, device, row_blocks + token_blocks, (
-            a(cm.query_start_loc, kind), np.int32(cm.num_reqs), a(cm.seq_lens, kind),
-            a(block_table, kind), np.int64(block_table.shape[0]), np.int64(block_table.shape[1]),
-            np.int64(arrays.row_stride(block_table, kind) if block_table.shape[0] else 0),
-            a(positions, kind) if per_block else 0, a(slot_mapping, kind),
-            np.int64(num_tokens), np.int64(nd), np.int64(self.compress_ratio),
-            np.int64(max(self.storage_block_size, 1)), np.int64(1), np.int64(0), np.int64(1),
-            a(self.req_id_per_token_buffer, kind), a(csm, kind) if csm is not None else 0,
-            np.int64(csm_len), np.int32(width), a(gd, kind) if gd is not None else 0, stride,
-            a(lens, kind) if lens is not None else 0, a(pf, kind) if pf is not None else 0,
-            stride, np.int32(per_block), np.int32(chunks), np.int64(row_blocks)),
-            arrays.launch_stream(kind, device))
+        name = entry_name("build_step", positions_dtype, ops["slot_mapping"].dtype)
+        req_ptr, csm_ptr, gd_ptr, lens_ptr, pf_ptr = self._buffer_ptrs
+        kernels.launch("build_step.cu", name, self.device, row_blocks + token_blocks,
+                       params.BUILD_STEP, (
+                           ops["query_start_loc"].ptr, ops["seq_lens"].ptr, table.ptr,
+                           positions.ptr if per_block else 0, ops["slot_mapping"].ptr, req_ptr,
+                           csm_ptr, gd_ptr, lens_ptr, pf_ptr, table.shape[0], table.shape[1],
+                           arrays.row_stride(table) if table.shape[0] else 0, num_tokens, nd,
+                           self.compress_ratio, max(self.storage_block_size, 1), 1, 0, 1,
+                           self._slot_buffer_len, self.capacity, row_blocks, num_reqs, width,
+                           per_block, chunks),
+                       arrays.launch_stream(self.kind, self.device))
 
-    def _run_cpu(self, cm, num_tokens, c128a_tokens, nd, num_decodes, width, positions,
-                 slot_mapping, block_table):
-        kind = self.kind
+    def _run_cpu(self, cm, num_tokens, c128a_tokens, nd, num_decodes, width):
+        kind, positions, slot_mapping, block_table = (self.kind, cm.positions, cm.slot_mapping,
+                                                      cm.block_table_tensor)
         h = arrays.host_view
         qsl = h(cm.query_start_loc, kind)
         req = h(self.req_id_per_token_buffer, kind)[:num_tokens]
@@ -231,8 +259,7 @@ class DeepseekV4MetadataBuilder:
                                         np.int64(self.compress_ratio), np.int64(1), np.int64(0),
                                         np.int64(1), h(self.compressed_slot_mapping_buffer, kind))
         if c128a_tokens:
-            if nd:
-                check_request_ids(req[:nd], num_decodes)
+            validation.request_ids(req, arrays.NUMPY, nd, num_decodes)
             cpu.c128a_topk_metadata(
                 h(positions, kind)[:c128a_tokens], np.int64(128), np.int64(nd), req,
                 table[:num_decodes], np.int64(self.storage_block_size), h(slot_mapping, kind),

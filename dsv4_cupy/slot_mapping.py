@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, kernels
+from . import arrays, cpu, kernels, params, validation
 from .arrays import INT32, INT64
 
 
@@ -18,7 +18,8 @@ def check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size) -> tuple[int, 
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table,
                                 block_size: int, compress_ratio: int, out=None, *,
                                 cp_world_size: int = 1, cp_rank: int = 0,
-                                cp_kv_cache_interleave_size: int = 1):
+                                cp_kv_cache_interleave_size: int = 1, validate: str = "default",
+                                num_cache_blocks: int | None = None):
     """Physical compressed-cache slot of every token that closes a compression group.
 
     Parameters
@@ -39,6 +40,11 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         Persistent buffer: **all** of it is set to -1, then the slots are written.
     cp_world_size, cp_rank, cp_kv_cache_interleave_size : int
         Context-parallel sharding of the compressed cache (1, 0, 1: none).
+    validate : "default" or "full"
+        "full" also checks (reading the inputs: a sync on GPU) that
+        ``query_start_loc`` starts at 0 and never decreases, ``seq_len >=
+        query_len``, and every block used lies inside its table row and, with
+        ``num_cache_blocks``, inside the cache. The default never syncs.
 
     Returns
     -------
@@ -48,35 +54,37 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     the row, else -1. A block index past the table row gives -1, never a read
     of the next row.
     """
-    kind, device = arrays.common_kind({"query_start_loc": query_start_loc, "seq_lens": seq_lens,
-                                       "block_table": block_table, "out": out})
+    kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc,
+                                          "seq_lens": seq_lens, "block_table": block_table,
+                                          "out": out})
     num_tokens = arrays.check_int("num_tokens", num_tokens, minimum=0)
     block_size = arrays.check_int("block_size", block_size, minimum=1)
     compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
     world, rank, interleave = check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size)
-    arrays.check("block_table", block_table, kind, (INT32,), 2)
-    num_rows = block_table.shape[0]
-    arrays.check("query_start_loc", query_start_loc, kind, (INT32,), 1, min_len=num_rows + 1)
-    arrays.check("seq_lens", seq_lens, kind, (INT32,), 1, min_len=num_rows)
-    out = arrays.output("out", out, kind, device, INT64, num_tokens)
-    arrays.check_no_alias(kind, {"out": out}, {"query_start_loc": query_start_loc,
-                                               "seq_lens": seq_lens, "block_table": block_table})
+    table, qsl, seq = ops["block_table"], ops["query_start_loc"], ops["seq_lens"]
+    arrays.check(table, (INT32,), 2)
+    num_rows = table.shape[0]
+    arrays.check(qsl, (INT32,), 1, min_len=num_rows + 1)
+    arrays.check(seq, (INT32,), 1, min_len=num_rows)
+    out = arrays.output("out", ops["out"], kind, device, INT64, num_tokens)
+    arrays.check_no_alias([out], [qsl, seq, table])
+    if validation.check_mode(validate):
+        validation.slot_mapping_inputs(query_start_loc, seq_lens, block_table, kind, block_size,
+                                       compress_ratio, world, num_cache_blocks)
     out_len = out.shape[0]
     if kind in arrays.GPU_KINDS:
         if out_len:
-            a = arrays.kernel_arg
             kernels.launch("slot_mapping.cu", "compressed_slot_mapping", device,
                            kernels.elementwise_blocks(out_len),
-                           (a(query_start_loc, kind), a(seq_lens, kind), np.int32(num_rows),
-                            a(block_table, kind), np.int64(block_table.shape[1]),
-                            np.int64(arrays.row_stride(block_table, kind)), np.int64(block_size),
-                            np.int64(compress_ratio), np.int64(world), np.int64(rank),
-                            np.int64(interleave), np.int64(out_len), a(out, kind)),
+                           params.SLOT_MAPPING, (
+                               qsl.ptr, seq.ptr, table.ptr, out.ptr, table.shape[1],
+                               arrays.row_stride(table), block_size, compress_ratio, world, rank,
+                               interleave, out_len, num_rows),
                            arrays.launch_stream(kind, device))
     else:
         h = arrays.host_view
         cpu.compressed_slot_mapping(h(query_start_loc, kind), h(seq_lens, kind),
                                     h(block_table, kind), np.int64(block_size),
                                     np.int64(compress_ratio), np.int64(world), np.int64(rank),
-                                    np.int64(interleave), h(out, kind))
-    return out[:num_tokens]
+                                    np.int64(interleave), h(out.array, kind))
+    return out.array[:num_tokens]

@@ -42,7 +42,7 @@ def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1,
     if kind not in (arrays.NUMPY, arrays.TORCH_CPU):
         raise TypeError("query_start_loc: expected a host array (numpy or torch CPU; vLLM's "
                         f"query_start_loc_cpu), got {arrays.describe(query_start_loc)}")
-    arrays.check("query_start_loc", query_start_loc, kind, (INT32, INT64), 1, min_len=1)
+    arrays.check(arrays.probe("query_start_loc", query_start_loc), (INT32, INT64), 1, min_len=1)
     threshold = arrays.check_int("decode_threshold", decode_threshold, minimum=0)
     qsl = arrays.host_view(query_start_loc, kind)
     return split_host(qsl, threshold, bool(require_uniform), num_actual_tokens, max_query_len)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, kernels
+from . import arrays, cpu, kernels, params, validation
 from .arrays import INT32
 
 
-def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None):
+def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate: str = "default"):
     """Map each flattened token to the index of the request that owns it.
 
     Parameters
@@ -19,6 +19,9 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None):
         Tokens to map (``num_actual_tokens``, CUDA-graph padding included).
     out : int32 array, shape ``[>= num_tokens]``, optional
         Buffer to write into; only ``out[:num_tokens]`` is written.
+    validate : "default" or "full"
+        "full" also checks that ``query_start_loc`` starts at 0 and never
+        decreases (reads it: a sync on GPU). The default never syncs.
 
     Returns
     -------
@@ -27,20 +30,22 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None):
     ``query_start_loc[i] <= t < query_start_loc[i + 1]``; tokens at or past
     ``query_start_loc[-1]`` (padding) get 0; zero-length requests own no token.
     """
-    kind, device = arrays.common_kind({"query_start_loc": query_start_loc, "out": out})
-    arrays.check("query_start_loc", query_start_loc, kind, (INT32,), 1, min_len=1)
+    kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc, "out": out})
+    qsl = ops["query_start_loc"]
+    arrays.check(qsl, (INT32,), 1, min_len=1)
     num_tokens = arrays.check_int("num_tokens", num_tokens, minimum=0)
-    out = arrays.output("out", out, kind, device, INT32, num_tokens)
-    arrays.check_no_alias(kind, {"out": out}, {"query_start_loc": query_start_loc})
-    num_reqs = query_start_loc.shape[0] - 1
+    out = arrays.output("out", ops["out"], kind, device, INT32, num_tokens)
+    arrays.check_no_alias([out], [qsl])
+    full = validation.check_mode(validate)
+    if full:
+        validation.query_layout(query_start_loc, None, kind, 0)
     if kind in arrays.GPU_KINDS:
         if num_tokens:
             kernels.launch("token_map.cu", "token_to_req_indices", device,
                            kernels.elementwise_blocks(num_tokens),
-                           (arrays.kernel_arg(query_start_loc, kind), np.int32(num_reqs),
-                            np.int64(num_tokens), arrays.kernel_arg(out, kind)),
+                           params.TOKEN_MAP, (qsl.ptr, out.ptr, num_tokens, qsl.shape[0] - 1),
                            arrays.launch_stream(kind, device))
     else:
         cpu.token_to_req_indices(arrays.host_view(query_start_loc, kind), np.int64(num_tokens),
-                                 arrays.host_view(out, kind))
-    return out[:num_tokens]
+                                 arrays.host_view(out.array, kind))
+    return out.array[:num_tokens]

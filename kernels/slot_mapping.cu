@@ -3,19 +3,16 @@
 // write ordering to get wrong. Element i belongs to the block-table row b with
 // qsl[b] <= i < qsl[b + 1]; everything else is -1.
 #include "common.cuh"
+#include "params.cuh"
 
-extern "C" __global__ void __launch_bounds__(256)
-compressed_slot_mapping(const int* __restrict__ qsl, const int* __restrict__ seq_lens, int num_rows,
-                        const int* __restrict__ block_table, i64 bt_cols, i64 bt_stride,
-                        i64 block_size, i64 ratio, i64 cp_world_size, i64 cp_rank,
-                        i64 cp_interleave, i64 out_len, long long* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(256) compressed_slot_mapping(const SlotMappingParams p) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < out_len; i += stride) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.out_len; i += stride) {
         i64 slot = -1;
-        if (num_rows > 0)
-            slot = compressed_slot(qsl, seq_lens, request_of(qsl, num_rows, i), i, block_table,
-                                   bt_cols, bt_stride, block_size, ratio, cp_world_size, cp_rank,
-                                   cp_interleave);
-        out[i] = slot;
+        if (p.num_rows > 0)
+            slot = compressed_slot(p.qsl, p.seq_lens, request_of(p.qsl, p.num_rows, i), i,
+                                   p.block_table, p.bt_cols, p.bt_stride, p.block_size, p.ratio,
+                                   p.cp_world_size, p.cp_rank, p.cp_interleave);
+        p.out[i] = slot;
     }
 }

@@ -1,0 +1,314 @@
+"""``python -m dsv4_cupy bench``: a benchmark, not a test.
+
+GPU cases (DeepSeek-V4 shapes, spec §6; W = 8192, max_model_len 1M): decode
+batches of 1-1024 requests x query length 1-8, prefills of 2048-65536 tokens,
+mixed batches. For ``build_c128a_topk_metadata`` and the per-step build it
+reports GPU time (CUDA events, and CUDA-graph replay), host time per eager
+call, achieved GB/s against the write/copy ceilings and the empty-launch floor
+that it measures itself, and ratios against torch-eager (and vLLM's kernels
+when vLLM is importable). CPU case: numba against NumPy for 16384 tokens at
+W = 8192. Writes JSON and a PNG plot.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+
+MAX_MODEL_LEN = 1 << 20
+WIDTH = 8192
+MAX_TOKENS = 65536 + 1024
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--cpu-only", action="store_true", help="only the numba vs NumPy case")
+    parser.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def gpu_cases(quick: bool) -> list[tuple[str, int, int, list[int]]]:
+    """(name, decode requests, decode query length, prefill lengths)."""
+    if quick:
+        return [("decode 1x1", 1, 1, []), ("decode 32x1", 32, 1, []), ("decode 256x2", 256, 2, []),
+                ("prefill 8192", 0, 1, [8192]), ("mixed 128+4096", 128, 1, [4096])]
+    cases = [(f"decode {r}x{q}", r, q, []) for r in (1, 8, 64, 256, 512, 1024) for q in (1, 2, 4, 8)]
+    cases += [(f"prefill {n}", 0, 1, [n]) for n in (2048, 8192, 16384, 65536)]
+    cases += [("mixed 128+4096", 128, 1, [4096]), ("mixed 256+8192", 256, 2, [4096, 4096]),
+              ("mixed 8+2x16384", 8, 4, [16384, 16384])]
+    return cases
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc, file=sys.stderr)
+    except ImportError:
+        def plain():
+            for i, item in enumerate(items):
+                print(f"\r{desc}: {i + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
+                yield item
+            print(file=sys.stderr)
+        return plain()
+
+
+def make_step(n_decode, q_decode, prefill_lens, seed):
+    rng = np.random.default_rng(seed)
+    q = [q_decode] * n_decode + list(prefill_lens)
+    prefixes = [int(rng.integers(q_decode, MAX_MODEL_LEN - q_decode)) for _ in range(n_decode)]
+    prefixes += [int(rng.integers(0, max(1, MAX_MODEL_LEN - p))) for p in prefill_lens]
+    seq = np.array(prefixes, np.int64) + q
+    qsl = np.zeros(len(q) + 1, np.int32)
+    qsl[1:] = np.cumsum(q)
+    positions = np.concatenate([np.arange(s - x, s) for x, s in zip(q, seq)]).astype(np.int64)
+    table = rng.integers(0, 1 << 20, size=(len(q), MAX_MODEL_LEN // 256), dtype=np.int32)
+    slots = rng.integers(0, 1 << 30, size=positions.shape[0]).astype(np.int64)
+    return dict(qsl=qsl, seq=seq.astype(np.int32), positions=positions, table=table, slots=slots,
+                nd=n_decode * q_decode, max_q=max(q), max_seq=int(seq.max()))
+
+
+class GpuTimer:
+    """CUDA-event and CUDA-graph timing on torch's current stream."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def events_us(self, fn, reps=50):
+        torch = self.torch
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / reps
+
+    def graph_us(self, fn, reps=20):
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        times = []
+        for _ in range(15):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / reps)
+        return float(np.median(times))
+
+    def host_us(self, fn, reps=200):
+        torch = self.torch
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed / reps * 1e6
+
+
+def ceilings(torch, timer: GpuTimer) -> dict:
+    """Write and copy bandwidth (GB/s) and the empty-launch floor (us), measured here."""
+    import cupy
+
+    from .. import arrays
+    n = 1 << 28                                   # 1 GiB of int32
+    a = torch.empty(n, dtype=torch.int32, device="cuda")
+    b = torch.empty_like(a)
+    write_us = timer.graph_us(lambda: a.fill_(-1), reps=5)
+    copy_us = timer.graph_us(lambda: b.copy_(a), reps=5)
+    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel").kernel
+    dev = torch.cuda.current_device()
+
+    def launch_empty():
+        cupy.cuda.driver.launchKernel(empty.ptr, 1, 1, 1, 32, 1, 1, 0,
+                                      arrays.launch_stream(arrays.TORCH_CUDA, dev), 0, 0)
+    floor_us = timer.graph_us(launch_empty)
+    return {"write_GBps": 4 * n / write_us / 1e3, "copy_GBps": 2 * 4 * n / copy_us / 1e3,
+            "empty_launch_us": floor_us}
+
+
+def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
+    import torch
+
+    import dsv4_cupy as d4
+
+    from .torch_eager import build_torch, c128a_torch
+    try:
+        import vllm  # noqa: F401
+        vllm_note = "vLLM importable, but its DeepSeek-V4 kernels are not wired into this bench"
+    except ImportError:
+        vllm_note = "vLLM not importable: no vLLM column"
+    timer = GpuTimer(torch)
+    ceil = ceilings(torch, timer)
+    dev = torch.device("cuda")
+    d4.warmup()
+    gd = torch.full((MAX_TOKENS, WIDTH), -1, dtype=torch.int32, device=dev)
+    lens = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=dev)
+    pf = torch.full((MAX_TOKENS, WIDTH), -1, dtype=torch.int32, device=dev)
+    req = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=dev)
+    csm = torch.full((MAX_TOKENS,), -1, dtype=torch.int64, device=dev)
+    builder = d4.DeepseekV4MetadataBuilder(128, MAX_MODEL_LEN, MAX_TOKENS, like="torch")
+    rows = []
+    for i, (name, n_dec, q_dec, prefills) in enumerate(
+            _progress(gpu_cases(quick), progress, "gpu cases")):
+        s = make_step(n_dec, q_dec, prefills, seed=i)
+        t = {k: torch.from_numpy(s[k]).to(dev) for k in ("qsl", "seq", "positions", "table", "slots")}
+        T, nd = s["positions"].shape[0], s["nd"]
+        t2r = torch.from_numpy(np.repeat(np.arange(len(s["seq"]), dtype=np.int32),
+                                         np.diff(s["qsl"]))).to(dev)
+        cm = d4.CommonAttentionMetadata(
+            query_start_loc=t["qsl"], query_start_loc_cpu=torch.from_numpy(s["qsl"]),
+            seq_lens=t["seq"], block_table_tensor=t["table"], slot_mapping=t["slots"],
+            positions=t["positions"], num_reqs=len(s["seq"]), num_actual_tokens=T,
+            max_query_len=s["max_q"], max_seq_len=s["max_seq"])
+
+        def ours_c128a():
+            d4.build_c128a_topk_metadata(t["positions"], 128, nd, t2r, t["table"], 2, t["slots"],
+                                         gd, lens, pf, max_compressed_tokens=WIDTH)
+
+        def eager_c128a():
+            c128a_torch(t["positions"], 128, nd, t2r, t["table"], 2, t["slots"], WIDTH, gd, lens, pf)
+
+        def ours_build():
+            builder.build(0, cm)
+
+        def eager_build():
+            build_torch(t["qsl"], t["seq"], t["table"], t["positions"], t["slots"], T, nd, 128, 2,
+                        WIDTH, req, csm, gd, lens, pf)
+
+        written_mb = (T * WIDTH * 4 + nd * 4) / 1e6
+        for op, ours, eager in (("c128a", ours_c128a, eager_c128a), ("build", ours_build, eager_build)):
+            row = {"op": op, "case": name, "tokens": T, "W": WIDTH, "MB": written_mb}
+            for who, fn in (("ours", ours), ("torch", eager)):
+                row[f"{who}_event_us"] = timer.events_us(fn)
+                row[f"{who}_graph_us"] = timer.graph_us(fn)
+                row[f"{who}_host_us"] = timer.host_us(fn)
+            row["ours_GBps"] = written_mb / row["ours_graph_us"] * 1e3
+            row["write_ceiling_pct"] = 100 * row["ours_GBps"] / ceil["write_GBps"]
+            row["x_torch_gpu"] = row["torch_graph_us"] / row["ours_graph_us"]
+            row["x_torch_host"] = row["torch_host_us"] / row["ours_host_us"]
+            rows.append(row)
+    meta = {"ceilings": ceil, "vllm": vllm_note, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name()}
+    return rows, meta
+
+
+def cpu_rows() -> list[dict]:
+    """numba against NumPy, 16384 tokens (decodes and prefills) at W = 8192."""
+    from .. import cpu
+    from .torch_eager import c128a_numpy
+    s = make_step(4096, 2, [8192], seed=99)
+    T, nd = s["positions"].shape[0], s["nd"]
+    t2r = np.repeat(np.arange(len(s["seq"]), dtype=np.int32), np.diff(s["qsl"]))
+    gd = np.empty((nd, WIDTH), np.int32)
+    lens = np.empty(nd, np.int32)
+    pf = np.empty((T - nd, WIDTH), np.int32)
+    args = (s["positions"], 128, nd, t2r, s["table"], 2, s["slots"], WIDTH, gd, lens, pf)
+    typed = (s["positions"], np.int64(128), np.int64(nd), t2r, s["table"], np.int64(2), s["slots"],
+             np.int64(WIDTH), gd, lens, pf)
+
+    def best_of(fn, reps=3):
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    numba_ms = best_of(lambda: cpu.c128a_topk_metadata(*typed))
+    numpy_ms = best_of(lambda: c128a_numpy(*args))
+    import numba
+    return [{"op": "c128a cpu", "case": f"{T} tokens", "tokens": T, "W": WIDTH,
+             "numba_ms": numba_ms, "numpy_ms": numpy_ms, "x_numpy": numpy_ms / numba_ms,
+             "threads": numba.get_num_threads()}]
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    if "ceilings" in meta:
+        c = meta["ceilings"]
+        print(f"\n{meta['gpu']}: write {c['write_GBps']:.0f} GB/s, copy {c['copy_GBps']:.0f} GB/s, "
+              f"empty launch {c['empty_launch_us']:.2f} us; {meta['vllm']}")
+        print(f"{'op':6} {'case':16} {'T':>6} {'ours graph':>10} {'ours ev':>8} {'torch graph':>11} "
+              f"{'x gpu':>6} {'ours host':>9} {'torch host':>10} {'x host':>6} {'GB/s':>6} {'%wr':>4}")
+        for r in rows:
+            if "ours_graph_us" not in r:
+                continue
+            print(f"{r['op']:6} {r['case']:16} {r['tokens']:6d} {r['ours_graph_us']:10.2f} "
+                  f"{r['ours_event_us']:8.2f} {r['torch_graph_us']:11.2f} {r['x_torch_gpu']:6.1f} "
+                  f"{r['ours_host_us']:9.1f} {r['torch_host_us']:10.1f} {r['x_torch_host']:6.1f} "
+                  f"{r['ours_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")
+    for r in rows:
+        if "numba_ms" in r:
+            print(f"\nCPU c128a, {r['case']}, W={r['W']}, {r['threads']} threads: numba "
+                  f"{r['numba_ms']:.1f} ms, NumPy {r['numpy_ms']:.1f} ms, {r['x_numpy']:.1f}x")
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    gpu = [r for r in rows if "ours_graph_us" in r]
+    if not gpu:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, op in zip(axes, ("c128a", "build")):
+        sel = [r for r in gpu if r["op"] == op]
+        x = np.arange(len(sel))
+        ax.bar(x - 0.2, [r["ours_graph_us"] for r in sel], 0.4, label="dsv4_cupy")
+        ax.bar(x + 0.2, [r["torch_graph_us"] for r in sel], 0.4, label="torch eager")
+        ax.set_xticks(x, [r["case"] for r in sel], rotation=70, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("GPU time per call, graph replay (us)")
+        ax.set_title(f"{op} (W = {WIDTH})")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, meta = [], {}
+    if not args.cpu_only:
+        from ..kernels import require_gpu
+        require_gpu()
+        gpu, meta = gpu_rows(args.quick, not args.no_progress)
+        rows += gpu
+    rows += cpu_rows()
+    meta.update({"dsv4_cupy": __version__, "python": platform.python_version(),
+                 "numpy": np.__version__, "date": time.strftime("%Y-%m-%d")})
+    print_table(rows, meta)
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plotted = plot(rows, out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if plotted else ""))
+    return 0 if all(math.isfinite(v) for r in rows for v in r.values()
+                    if isinstance(v, float)) else 1

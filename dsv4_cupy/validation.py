@@ -1,0 +1,128 @@
+"""Opt-in full validation (``validate="full"``): data-dependent preconditions.
+
+The default mode checks only what the host already knows (kinds, dtypes,
+shapes, scalars) and never reads device memory; out-of-range data is then
+contained by the kernels (clamped or masked), not reported. ``"full"`` copies
+the inputs to the host (a sync, for debugging) and raises ``ValueError`` on
+data a correct vLLM batch never has.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays
+
+MODES = ("default", "full")
+
+
+def check_mode(validate: str) -> bool:
+    """True for full validation."""
+    if validate not in MODES:
+        raise ValueError(f"validate: expected one of {MODES}, got {validate!r}")
+    return validate == "full"
+
+
+def host_copy(x, kind: str) -> np.ndarray:
+    if kind in arrays.GPU_KINDS:
+        return x.get() if kind == arrays.CUPY else x.cpu().numpy()
+    return arrays.host_view(x, kind)
+
+
+def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None = None) -> None:
+    """qsl starts at 0 and never decreases; ``seq_len >= query_len`` for each of
+    ``num_rows`` requests; ``num_tokens`` (if given) covers every mapped token."""
+    q = host_copy(qsl, kind).astype(np.int64)
+    if q.shape[0] and q[0] != 0:
+        raise ValueError(f"query_start_loc: expected to start at 0, got {int(q[0])}")
+    steps = np.diff(q)
+    if (steps < 0).any():
+        at = int(np.flatnonzero(steps < 0)[0])
+        raise ValueError(f"query_start_loc: expected non-decreasing values, got {int(q[at])} "
+                         f"then {int(q[at + 1])} at index {at}")
+    if num_tokens is not None and q.shape[0] and q[-1] > num_tokens:
+        raise ValueError(f"num_tokens: expected at least query_start_loc[-1] ({int(q[-1])}), "
+                         f"got {num_tokens}")
+    if seq_lens is not None and num_rows:
+        seq = host_copy(seq_lens, kind)[:num_rows].astype(np.int64)
+        short = seq < steps[:num_rows]
+        if short.any():
+            b = int(np.flatnonzero(short)[0])
+            raise ValueError(f"seq_lens: expected seq_len >= query_len, got seq_len {int(seq[b])} "
+                             f"< query_len {int(steps[b])} for request {b}")
+
+
+def request_ids(token_to_req, kind: str, count: int, num_rows: int) -> np.ndarray:
+    ids = host_copy(token_to_req, kind)[:count]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
+        bad = int(np.flatnonzero((ids < 0) | (ids >= num_rows))[0])
+        raise ValueError(f"token_to_req_indices: expected request ids in [0, {num_rows}) "
+                         f"(block_table rows), got {int(ids[bad])} at token {bad}")
+    return ids
+
+
+def block_columns(block_table, kind: str, rows: np.ndarray, visible: np.ndarray,
+                  block_size: int, num_cache_blocks: int | None, what: str) -> None:
+    """Every block a lookup will use lies inside its table row and, when the
+    cache size is known, inside the cache."""
+    table = host_copy(block_table, kind)
+    needed = np.where(visible > 0, (visible - 1) // block_size + 1, 0)
+    wide = needed > table.shape[1]
+    if wide.any():
+        i = int(np.flatnonzero(wide)[0])
+        raise ValueError(f"block_table: {what} {i} needs {int(needed[i])} blocks, the table rows "
+                         f"have {table.shape[1]}")
+    if num_cache_blocks is None:
+        return
+    for i in np.flatnonzero(needed):
+        entries = table[rows[i], :needed[i]]
+        if entries.min() < 0 or entries.max() >= num_cache_blocks:
+            raise ValueError(f"block_table: expected entries in [0, {num_cache_blocks}) for the "
+                             f"blocks {what} {int(i)} uses, got {entries.min()}..{entries.max()}")
+
+
+def decodes_first(qsl_cpu: np.ndarray, threshold: int) -> None:
+    """No decode (1..threshold query tokens) after the first prefill."""
+    lens = np.diff(qsl_cpu.astype(np.int64))
+    is_prefill = lens > threshold
+    if is_prefill.any():
+        first = int(np.flatnonzero(is_prefill)[0])
+        late = np.flatnonzero((lens[first:] > 0) & (lens[first:] <= threshold))
+        if late.size:
+            raise ValueError(f"query_start_loc_cpu: expected decodes before prefills (vLLM "
+                             f"reorders the batch), got a decode at request {first + int(late[0])} "
+                             f"after the prefill at request {first}")
+
+
+def visible_rows(positions, kind: str, count: int, ratio: int, width: int) -> np.ndarray:
+    p = host_copy(positions, kind)[:count].astype(np.int64) + 1
+    n = np.where(p < 0, -(-p // ratio), p // ratio)
+    return np.clip(n, 0, width)
+
+
+def slot_mapping_inputs(qsl, seq_lens, block_table, kind: str, block_size: int, ratio: int,
+                        cp_world_size: int, num_cache_blocks: int | None) -> None:
+    """Full checks for ``get_compressed_slot_mapping``: query layout, and the
+    last compressed row each request closes lies inside its table row (and cache)."""
+    rows = block_table.shape[0]
+    query_layout(qsl, seq_lens, kind, rows)
+    if not rows:
+        return
+    q = host_copy(qsl, kind)[:rows + 1].astype(np.int64)
+    seq = host_copy(seq_lens, kind)[:rows].astype(np.int64)
+    first = np.maximum(seq - np.diff(q), 0)
+    closed_after = seq // ratio                 # groups closed by positions < seq
+    closed_before = first // ratio              # groups closed by positions < first
+    last_row = np.where(closed_after > closed_before, closed_after, 0)
+    block_columns(block_table, kind, np.arange(rows), last_row, block_size * cp_world_size,
+                  num_cache_blocks, "request")
+
+
+def c128a_inputs(positions, token_to_req, block_table, kind: str, num_decode_tokens: int,
+                 ratio: int, width: int, block_size: int, num_cache_blocks: int | None,
+                 ids_kind: str | None = None) -> None:
+    """Full checks for the C128A decode lookups: request ids and block columns."""
+    if not num_decode_tokens:
+        return
+    ids = request_ids(token_to_req, ids_kind or kind, num_decode_tokens, block_table.shape[0])
+    visible = visible_rows(positions, kind, num_decode_tokens, ratio, width)
+    block_columns(block_table, kind, ids, visible, block_size, num_cache_blocks, "decode token")

@@ -1,0 +1,145 @@
+"""DeepseekV4MetadataBuilder against the reference builder, for each array kind
+and width policy, with poisoned persistent buffers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+import reference as ref
+from batches import POISON, make_batch, random_batch
+from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
+
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+MAX_TOKENS = 1024
+
+
+def common_metadata(batch, kind):
+    return d4.CommonAttentionMetadata(
+        query_start_loc=to_kind(batch.qsl, kind), query_start_loc_cpu=batch.qsl.copy(),
+        seq_lens=to_kind(batch.seq_lens, kind), block_table_tensor=to_kind(batch.block_table, kind),
+        slot_mapping=to_kind(batch.slot_mapping, kind), positions=to_kind(batch.positions, kind),
+        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
+        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+
+
+def make_builder(kind, ratio, max_model_len, policy="capacity", spec=0):
+    like = to_kind(np.zeros(1, np.int32), kind)
+    return d4.DeepseekV4MetadataBuilder(ratio, max_model_len, MAX_TOKENS, width_policy=policy,
+                                        num_speculative_tokens=spec, like=like)
+
+
+def poison(builder):
+    for name in ("req_id_per_token_buffer", "compressed_slot_mapping_buffer",
+                 "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer"):
+        buffer = getattr(builder, name)
+        if buffer is not None:
+            buffer[...] = POISON
+
+
+def check_build(builder, batch, kind):
+    poison(builder)
+    cm = common_metadata(batch, kind)
+    md = builder.build(0, cm)
+    width = builder.width(batch.max_seq_len)
+    want = ref.build(builder.compress_ratio, 256, builder.decode_threshold - 1, width,
+                     batch.qsl.tolist(), batch.seq_lens.tolist(), batch.block_table.tolist(),
+                     batch.slot_mapping.tolist(), batch.positions.tolist(), batch.num_tokens,
+                     batch.max_query_len, MAX_TOKENS)
+    T = batch.num_tokens
+    np.testing.assert_array_equal(to_numpy(md.req_id_per_token), want["req_id_per_token"])
+    assert (to_numpy(builder.req_id_per_token_buffer)[T:] == POISON).all()
+    if builder.compress_ratio > 1:
+        np.testing.assert_array_equal(to_numpy(builder.compressed_slot_mapping_buffer),
+                                      want["slot_mapping"])
+        np.testing.assert_array_equal(to_numpy(md.slot_mapping), want["slot_mapping"][:T])
+    else:
+        assert md.slot_mapping is cm.slot_mapping
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == (
+        want["num_decodes"], want["num_prefills"], want["num_decode_tokens"],
+        want["num_prefill_tokens"])
+    nd, npf = md.num_decode_tokens, md.num_prefill_tokens
+    if builder.compress_ratio != 128:
+        assert md.c128a_global_decode_topk_indices is None and md.c128a_prefill_topk_indices is None
+        return md
+    gd_buf = to_numpy(builder.c128a_global_decode_buffer)
+    pf_buf = to_numpy(builder.c128a_prefill_buffer)
+    lens_buf = to_numpy(builder.c128a_decode_lens_buffer)
+    if nd:
+        gd = to_numpy(md.c128a_global_decode_topk_indices)
+        assert gd.shape == (nd, 1, width)
+        np.testing.assert_array_equal(gd.reshape(nd, width),
+                                      np.array(want["c128a_global_decode"]).reshape(nd, width))
+        np.testing.assert_array_equal(to_numpy(md.c128a_decode_topk_lens), want["c128a_decode_lens"])
+    else:
+        assert md.c128a_global_decode_topk_indices is None and md.c128a_decode_topk_lens is None
+    if npf:
+        pf = to_numpy(md.c128a_prefill_topk_indices)
+        np.testing.assert_array_equal(pf, np.array(want["c128a_prefill"]).reshape(npf, width))
+    else:
+        assert md.c128a_prefill_topk_indices is None
+    assert (gd_buf[nd:] == POISON).all() and (gd_buf[:, width:] == POISON).all()
+    assert (pf_buf[npf:] == POISON).all() and (pf_buf[:, width:] == POISON).all()
+    assert (lens_buf[nd:] == POISON).all()
+    return md
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ratio,policy", [(128, "capacity"), (128, "active"), (4, "capacity"),
+                                          (1, "capacity")])
+def test_builder_random(kind, ratio, policy):
+    rng = np.random.default_rng(ratio)
+    max_model_len = 1 << 17   # capacity 1024
+    builders = {}
+    for _ in range(25):
+        batch = random_batch(rng, ratio=ratio, max_prefix=max_model_len - 400)
+        spec = batch.threshold - 1
+        if spec not in builders:
+            builders[spec] = make_builder(kind, ratio, max_model_len, policy, spec)
+        check_build(builders[spec], batch, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_builds_share_memory_and_stride(kind):
+    builder = make_builder(kind, 128, 1 << 17, "active")
+    small = make_batch([1, 1], [100, 300])
+    large = make_batch([1, 1], [100_000, 120_000])
+    a = check_build(builder, small, kind)
+    b = check_build(builder, large, kind)
+    ga, gb = a.c128a_global_decode_topk_indices, b.c128a_global_decode_topk_indices
+    assert ga.shape[-1] == 128 and gb.shape[-1] == 1024       # active widths differ...
+    from dsv4_cupy import arrays
+    assert arrays.probe("a", ga).ptr == arrays.probe("b", gb).ptr   # ...same memory...
+    stride = lambda x: x.stride(0) if hasattr(x, "stride") and callable(x.stride) else x.strides[0] // 4
+    assert stride(ga) == stride(gb) == builder.capacity        # ...and the capacity stride
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_and_padding_only_steps(kind):
+    builder = make_builder(kind, 128, 1 << 16)
+    check_build(builder, make_batch([], []), kind)
+    check_build(builder, make_batch([], [], pad_tokens=5), kind)
+    check_build(builder, make_batch([0, 0], [10, 20], pad_tokens=3), kind)
+
+
+def test_builder_rejects_other_kinds():
+    builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, like="numpy")
+    batch = make_batch([1], [10])
+    cm = common_metadata(batch, "numpy")
+    cm.positions = None
+    with pytest.raises(ValueError, match="positions"):
+        builder.build(0, cm)
+    with pytest.raises(ValueError, match="num_actual_tokens"):
+        builder.build(0, common_metadata(make_batch([100], [10]), "numpy").__class__(
+            **{**common_metadata(make_batch([100], [10]), "numpy").__dict__, "num_actual_tokens": 65}))
+
+
+@pytest.mark.skipif("torch_cpu" not in HOST_KINDS, reason="torch not installed")
+def test_builder_torch_cpu_results_are_torch():
+    import torch
+    builder = make_builder("torch_cpu", 128, 1 << 16)
+    md = builder.build(0, common_metadata(make_batch([1, 1, 40], [10, 300, 500]), "torch_cpu"))
+    assert isinstance(md.c128a_prefill_topk_indices, torch.Tensor)
+    assert md.c128a_prefill_topk_indices.data_ptr() == builder.c128a_prefill_buffer.data_ptr()
+    exported = md.to_torch()
+    assert exported.req_id_per_token.data_ptr() == md.req_id_per_token.data_ptr()

@@ -1,0 +1,95 @@
+"""Fuzzing: 10,000 random batches through every op, against the reference on
+the CPU path (CI) and against the CPU path on the GPU (the H200), plus
+adversarial batches: empty, all padding, one 65,536-token request, positions
+near 2^20 and past max_model_len, block tables with -1 tails."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+from batches import make_batch, random_batch
+from checks import check_c128a, check_slot_mapping, check_token_map
+from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
+
+FUZZ_BATCHES = 10_000
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+
+
+def fuzz_batch(rng):
+    ratio = 128 if rng.random() < 0.7 else 4
+    return random_batch(rng, ratio=ratio, max_decodes=5, max_prefills=2, max_prefill_len=24,
+                        max_prefix=(1 << 20) + 4096), int(rng.choice([0, 1, 17, 128, 256]))
+
+
+def test_fuzz_cpu_against_reference():
+    rng = np.random.default_rng(20261202)
+    for _ in range(FUZZ_BATCHES):
+        batch, width = fuzz_batch(rng)
+        check_token_map(batch, "numpy")
+        check_slot_mapping(batch, "numpy")
+        check_c128a(batch, "numpy", width, rng.choice([np.int32, np.int64]),
+                    rng.choice([np.int32, np.int64]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_fuzz_gpu_against_cpu(kind):
+    """GPU against the CPU path (itself fuzzed against the reference above); one
+    in fifty batches also goes through the reference directly."""
+    rng = np.random.default_rng(7 if kind == "cupy" else 8)
+    for i in range(FUZZ_BATCHES // len(GPU_KINDS)):
+        batch, width = fuzz_batch(rng)
+        if i % 50 == 0:
+            check_c128a(batch, kind, width)
+            check_slot_mapping(batch, kind)
+            continue
+        num_decodes, _, nd, num_prefill = batch.split()
+        total = nd + num_prefill
+        t2r = batch.token_map()
+        run = lambda k: [to_numpy(x) for x in d4.build_c128a_topk_metadata(
+            to_kind(batch.positions[:total], k), batch.ratio, nd, to_kind(t2r, k),
+            to_kind(batch.block_table[:max(num_decodes, 1)], k), batch.storage_block_size,
+            to_kind(batch.slot_mapping, k), max_compressed_tokens=width)] + [
+            to_numpy(d4.get_compressed_slot_mapping(
+                batch.num_tokens, to_kind(batch.qsl, k), to_kind(batch.seq_lens, k),
+                to_kind(batch.block_table, k), batch.storage_block_size, batch.ratio)),
+            to_numpy(d4.token_to_req_indices(to_kind(batch.qsl, k), batch.num_tokens))]
+        for got, want in zip(run(kind), run("numpy")):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adversarial_empty_and_all_padding(kind):
+    for batch in (make_batch([], []), make_batch([], [], pad_tokens=7),
+                  make_batch([0, 0, 0], [0, 5, 10], pad_tokens=4)):
+        check_token_map(batch, kind)
+        check_slot_mapping(batch, kind)
+        check_c128a(batch, kind, 128)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adversarial_one_request_of_65536_tokens(kind):
+    batch = make_batch([65536], [(1 << 20) - 65536 - 10], rng=np.random.default_rng(5))
+    check_token_map(batch, kind)
+    check_slot_mapping(batch, kind)
+    gd, lens, pf = d4.build_c128a_topk_metadata(
+        to_kind(batch.positions, kind), 128, 0, to_kind(batch.token_map(), kind),
+        to_kind(batch.block_table, kind), 2, to_kind(batch.slot_mapping, kind),
+        max_compressed_tokens=8192)
+    pf = to_numpy(pf)
+    visible = np.minimum((batch.positions + 1) // 128, 8192)
+    cols = np.arange(8192)
+    np.testing.assert_array_equal(pf, np.where(cols[None] < visible[:, None], cols[None], -1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adversarial_positions_near_and_past_two_to_the_20(kind):
+    rng = np.random.default_rng(11)
+    prefixes = [(1 << 20) - 3, (1 << 20) - 1, 1 << 20, (1 << 20) + 777, 5]
+    batch = make_batch([1, 1, 1, 1, 200], prefixes, rng=rng, negative_tail=True)
+    for width in (128, 8192):
+        check_c128a(batch, kind, width)
+    check_slot_mapping(batch, kind)
+    check_slot_mapping(make_batch([64] * 3, prefixes[:3], ratio=4, rng=rng, negative_tail=True),
+                       kind)

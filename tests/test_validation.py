@@ -1,0 +1,149 @@
+"""Bad input: a TypeError/ValueError naming the argument, raised before any
+launch, with nothing written (outputs are poisoned and must stay so)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+from batches import POISON, make_batch
+
+I32, I64 = np.int32, np.int64
+
+
+def c128a_args(**changes):
+    batch = make_batch([1, 1, 5], [1000, 200, 50], pad_tokens=1)
+    nd = 2
+    args = dict(positions=batch.positions, compress_ratio=128, num_decode_tokens=nd,
+                token_to_req_indices=np.array([0, 1, 2, 2, 2, 2, 2, 0], I32),
+                block_table=batch.block_table, block_size=2, slot_mapping=batch.slot_mapping,
+                global_decode_buffer=np.full((4, 256), POISON, I32),
+                decode_lens_buffer=np.full(4, POISON, I32),
+                prefill_buffer=np.full((8, 256), POISON, I32), max_compressed_tokens=256)
+    args.update(changes)
+    return args
+
+
+def assert_untouched(args):
+    for name in ("global_decode_buffer", "decode_lens_buffer", "prefill_buffer"):
+        buffer = args.get(name)
+        if isinstance(buffer, np.ndarray):
+            assert (buffer == POISON).all(), f"{name} was written before the error"
+
+
+@pytest.mark.parametrize("changes,error,match", [
+    (dict(positions=np.zeros(8, np.float32)), TypeError, "positions: expected dtype int32 or int64, got float32"),
+    (dict(positions=np.zeros((8, 1), I64)), ValueError, "positions: expected a 1-D array"),
+    (dict(token_to_req_indices=np.zeros(8, I64)), TypeError, "token_to_req_indices: expected dtype int32"),
+    (dict(token_to_req_indices=np.zeros(1, I32)), ValueError, "token_to_req_indices: expected at least 2 rows"),
+    (dict(block_table=np.zeros(5, I32)), ValueError, "block_table: expected a 2-D array"),
+    (dict(block_table=np.zeros((3, 4), I64)), TypeError, "block_table: expected dtype int32"),
+    (dict(slot_mapping=np.zeros(8, np.float64)), TypeError, "slot_mapping: expected dtype"),
+    (dict(slot_mapping=np.zeros(1, I64)), ValueError, "slot_mapping: expected at least 2 rows"),
+    (dict(num_decode_tokens=9), ValueError, "num_decode_tokens: expected an int <= 8, got 9"),
+    (dict(num_decode_tokens=-1), ValueError, "num_decode_tokens: expected an int >= 0"),
+    (dict(num_decode_tokens=2.0), TypeError, "num_decode_tokens: expected an int, got float"),
+    (dict(compress_ratio=0), ValueError, "compress_ratio: expected an int >= 1, got 0"),
+    (dict(block_size=0), ValueError, "block_size: expected an int >= 1, got 0"),
+    (dict(block_size=True), TypeError, "block_size: expected an int, got bool"),
+    (dict(max_compressed_tokens=257), ValueError, "max_compressed_tokens: expected at most the width"),
+    (dict(decode_lens_buffer=np.full(1, POISON, I32)), ValueError, "decode_lens_buffer: expected at least 2 rows"),
+    (dict(prefill_buffer=np.full((2, 256), POISON, I32)), ValueError, "prefill_buffer: expected at least 6 rows"),
+    (dict(global_decode_buffer=np.full((4, 256), POISON, I64)), TypeError, "global_decode_buffer: expected dtype int32"),
+    (dict(token_to_req_indices=np.array([0, 7, 0, 0, 0, 0, 0, 0], I32)), ValueError,
+     r"token_to_req_indices: expected request ids in \[0, 3\) \(block_table rows\), got 7 at token 1"),
+    (dict(positions="positions"), TypeError, "positions: expected a numpy, cupy or torch array, got str"),
+])
+def test_c128a_rejects(changes, error, match):
+    args = c128a_args(**changes)
+    with pytest.raises(error, match=match):
+        d4.build_c128a_topk_metadata(**args)
+    assert_untouched(args)
+
+
+def test_c128a_rejects_strided_and_aliased_arrays():
+    args = c128a_args(positions=np.zeros(16, I64)[::2])
+    with pytest.raises(ValueError, match="positions: expected a C-contiguous array"):
+        d4.build_c128a_topk_metadata(**args)
+    assert_untouched(args)
+    shared = np.zeros((16, 256), I32)
+    args = c128a_args(prefill_buffer=shared, block_table=shared[12:15, :8])   # output over input
+    with pytest.raises(ValueError, match="prefill_buffer: output memory overlaps block_table"):
+        d4.build_c128a_topk_metadata(**args)
+
+
+def test_token_map_and_slot_mapping_reject():
+    out = np.full(4, POISON, I32)
+    with pytest.raises(TypeError, match="query_start_loc: expected dtype int32, got int64"):
+        d4.token_to_req_indices(np.array([0, 2], I64), 4, out=out)
+    with pytest.raises(ValueError, match="out: expected at least 5 rows, got shape"):
+        d4.token_to_req_indices(np.array([0, 2], I32), 5, out=out)
+    with pytest.raises(ValueError, match="num_tokens: expected an int >= 0"):
+        d4.token_to_req_indices(np.array([0, 2], I32), -1, out=out)
+    assert (out == POISON).all()
+    batch = make_batch([3, 4], [10, 20])
+    slots = np.full(9, POISON, I64)
+    base = (7, batch.qsl, batch.seq_lens, batch.block_table, 2, 128)
+    bad = [((7, batch.qsl[:2]) + base[2:], ValueError, "query_start_loc: expected at least 3 rows"),
+           ((7, batch.qsl, batch.seq_lens[:1]) + base[3:], ValueError, "seq_lens: expected at least 2"),
+           (base[:4] + (0, 128), ValueError, "block_size: expected an int >= 1"),
+           (base[:5] + (0,), ValueError, "compress_ratio: expected an int >= 1"),
+           ((10,) + base[1:], ValueError, "out: expected at least 10 rows")]
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
+            d4.get_compressed_slot_mapping(*args, out=slots)
+        assert (slots == POISON).all()
+    with pytest.raises(TypeError, match="out: expected dtype int64, got int32"):
+        d4.get_compressed_slot_mapping(*base, out=np.zeros(9, I32))
+    with pytest.raises(ValueError, match="cp_rank: expected an int <= 1"):
+        d4.get_compressed_slot_mapping(*base, out=slots, cp_world_size=2, cp_rank=2)
+
+
+def test_split_refuses_device_and_bad_input():
+    with pytest.raises(TypeError, match="query_start_loc: expected a host array"):
+        d4.split_decodes_and_prefills([0, 1, 2])
+    with pytest.raises(TypeError, match="query_start_loc: expected dtype"):
+        d4.split_decodes_and_prefills(np.array([0, 1], np.float32))
+    with pytest.raises(ValueError, match="decode_threshold: expected an int >= 0"):
+        d4.split_decodes_and_prefills(np.array([0, 1], I32), decode_threshold=-1)
+
+
+@pytest.mark.parametrize("validate", ["full"])
+def test_full_validation_catches_bad_data(validate):
+    batch = make_batch([3, 4], [10, 20])
+    with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
+        d4.token_to_req_indices(np.array([0, 5, 3], I32), 5, validate=validate)
+    with pytest.raises(ValueError, match="seq_lens: expected seq_len >= query_len"):
+        d4.get_compressed_slot_mapping(7, batch.qsl, np.array([1, 24], I32), batch.block_table, 2,
+                                       128, validate=validate)
+    with pytest.raises(ValueError, match="block_table: request 0 needs 2 blocks"):
+        d4.get_compressed_slot_mapping(300, np.array([0, 300], I32), np.array([300], I32),
+                                       np.zeros((1, 1), I32), 1, 128, validate=validate)
+    with pytest.raises(ValueError, match=r"block_table: expected entries in \[0, 10\)"):
+        table = np.full((1, 8), 50, I32)
+        d4.build_c128a_topk_metadata(np.array([1000], I64), 128, 1, np.zeros(1, I32), table, 2,
+                                     np.zeros(1, I64), max_compressed_tokens=128,
+                                     validate=validate, num_cache_blocks=10)
+    with pytest.raises(ValueError, match="validate: expected one of"):
+        d4.token_to_req_indices(np.array([0, 1], I32), 1, validate="fast")
+
+
+def test_full_validation_in_the_builder():
+    builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, validate="full")
+    batch = make_batch([30, 1], [0, 500])            # a decode after a prefill
+    from test_builder import common_metadata
+    with pytest.raises(ValueError, match="query_start_loc_cpu: expected decodes before prefills"):
+        builder.build(0, common_metadata(batch, "numpy"))
+    ok = make_batch([1, 30], [500, 0])
+    builder.build(0, common_metadata(ok, "numpy"))   # a well-formed step passes
+
+
+def test_builder_arguments():
+    with pytest.raises(ValueError, match="width_policy"):
+        d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, width_policy="packed")
+    with pytest.raises(ValueError, match="like: expected"):
+        d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, like="jax")
+    with pytest.raises(ValueError, match="block_size: expected a multiple of compress_ratio"):
+        d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, block_size=64)
+    with pytest.raises(TypeError, match="common_attn_metadata: expected a CommonAttentionMetadata"):
+        d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64).build(0, {"num_reqs": 1})
