@@ -81,10 +81,11 @@ def probe(name: str, x) -> Operand | None:
         return None
     family = _family(x)
     if family is _TORCH:
+        # torch.Size is a tuple already.
         if x.is_cuda:
-            return Operand(name, x, TORCH_CUDA, x.get_device(), _torch_dtype(x.dtype),
-                           tuple(x.shape), x.stride(), x.data_ptr())
-        return Operand(name, x, TORCH_CPU, -1, _torch_dtype(x.dtype), tuple(x.shape), x.stride(),
+            return Operand(name, x, TORCH_CUDA, x.get_device(), _torch_dtype(x.dtype), x.shape,
+                           x.stride(), x.data_ptr())
+        return Operand(name, x, TORCH_CPU, -1, _torch_dtype(x.dtype), x.shape, x.stride(),
                        x.data_ptr())
     if family is _CUPY:
         itemsize = x.itemsize
@@ -178,11 +179,12 @@ def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {want}, got {op.dtype}")
     if len(shape) != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {shape}")
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(shape)}")
     if min_len is not None and shape[0] < min_len:
-        raise ValueError(f"{name}: expected at least {min_len} rows, got shape {shape}")
+        raise ValueError(f"{name}: expected at least {min_len} rows, got shape {tuple(shape)}")
     if min_cols is not None and shape[1] < min_cols:
-        raise ValueError(f"{name}: expected at least {min_cols} columns, got shape {shape}")
+        raise ValueError(f"{name}: expected at least {min_cols} columns, got shape "
+                         f"{tuple(shape)}")
     if not _rows_contiguous(op):
         raise ValueError(f"{name}: expected a C-contiguous array (2-D: contiguous rows, any row "
                          f"stride), got strides {op.strides} (elements); pass a contiguous copy")

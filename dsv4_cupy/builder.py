@@ -130,14 +130,18 @@ class DeepseekV4MetadataBuilder:
         ratio = self.compress_ratio
         num_tokens, qsl_cpu, ops = self._check_step(cm)
         table = ops["block_table_tensor"]
-        if ratio == 128:
-            num_decodes, num_prefills, nd, num_prefill = split_host(
-                qsl_cpu, self.decode_threshold, False, num_tokens, cm.max_query_len)
-        else:
+        if ratio != 128:
             num_decodes = num_prefills = nd = num_prefill = 0
+        elif cm.num_reqs and cm.max_query_len <= self.decode_threshold:
+            # A pure decode step, decided from host ints alone (the usual case).
+            num_decodes, num_prefills, nd, num_prefill = cm.num_reqs, 0, num_tokens, 0
+        else:
+            qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
+            num_decodes, num_prefills, nd, num_prefill = split_host(
+                qsl, self.decode_threshold, False, num_tokens, cm.max_query_len)
         if nd and min(table.shape) == 0:
             raise ValueError("block_table_tensor: expected at least one row and column for "
-                             f"C128A decode lookups, got shape {table.shape}")
+                             f"C128A decode lookups, got shape {tuple(table.shape)}")
         if self.full_validation:
             self._check_step_data(cm, qsl_cpu, num_tokens, nd, num_decodes)
         # The C128A rows cover the split's tokens (none for a batch of padding only).
@@ -165,7 +169,7 @@ class DeepseekV4MetadataBuilder:
     def _check_step(self, cm: CommonAttentionMetadata):
         """Validate the step's arrays (kind, device, dtypes, lengths); no sync.
 
-        Returns ``(num_actual_tokens, query_start_loc_cpu as numpy, probed arrays)``.
+        Returns ``(num_actual_tokens, probed query_start_loc_cpu, probed step arrays)``.
         """
         if not isinstance(cm, CommonAttentionMetadata):
             raise TypeError("common_attn_metadata: expected a CommonAttentionMetadata, "
@@ -195,19 +199,20 @@ class DeepseekV4MetadataBuilder:
         arrays.check(table, (INT32,), 2)
         if table.shape[0] > num_reqs:
             raise ValueError(f"block_table_tensor: expected at most num_reqs ({num_reqs}) rows, "
-                             f"got shape {table.shape}")
+                             f"got shape {tuple(table.shape)}")
         arrays.check(ops["query_start_loc"], (INT32,), 1, min_len=num_reqs + 1)
         arrays.check(ops["seq_lens"], (INT32,), 1, min_len=table.shape[0])
         arrays.check(ops["slot_mapping"], SLOT_DTYPES, 1, min_len=num_tokens)
         if needs_positions:
             arrays.check(ops["positions"], POSITION_DTYPES, 1, min_len=num_tokens)
-        return num_tokens, arrays.host_view(qsl_cpu.array, qsl_cpu.kind), ops
+        return num_tokens, qsl_cpu, ops
 
     def _check_step_data(self, cm, qsl_cpu, num_tokens, nd, num_decodes):
         """``validate="full"``: the step's data (reads device arrays)."""
         kind, table = self.kind, cm.block_table_tensor
         validation.query_layout(cm.query_start_loc, cm.seq_lens, kind, table.shape[0], num_tokens)
-        validation.decodes_first(qsl_cpu, self.decode_threshold)
+        validation.decodes_first(arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1],
+                                 self.decode_threshold)
         if self.compress_ratio > 1:
             validation.slot_mapping_inputs(cm.query_start_loc, cm.seq_lens, table, kind,
                                            self.storage_block_size, self.compress_ratio, 1,

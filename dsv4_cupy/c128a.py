@@ -1,6 +1,8 @@
 """``build_c128a_topk_metadata``: the C128A (ratio-128) top-k rows and lengths."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import arrays, cpu, kernels, params, validation
@@ -10,6 +12,7 @@ from .spec import C128A_TOPK_ALIGNMENT, round_up
 POSITION_DTYPES = SLOT_DTYPES = (INT32, INT64)
 
 
+@functools.lru_cache(maxsize=None)
 def entry_name(prefix: str, positions_dtype: np.dtype, slot_dtype: np.dtype) -> str:
     """The kernel entry point for a (positions, slot mapping) dtype pair."""
     return f"{prefix}_p{positions_dtype.itemsize * 8}_s{slot_dtype.itemsize * 8}"

@@ -51,7 +51,8 @@ def capture_with_cupy(first, second, want):
         stream.begin_capture()
         md = builder.build(0, step)
         graph = stream.end_capture()
-        for name in DEVICE_FIELDS:                 # copied on `stream`, so ordered before the replay
+        # The next step, copied on `stream` so that the replay comes after it.
+        for name in DEVICE_FIELDS:
             getattr(step, name)[...] = cupy.asarray(getattr(second, name))
         graph.launch(stream)
         stream.synchronize()

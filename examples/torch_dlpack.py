@@ -32,11 +32,12 @@ def main():
     device = builder.req_id_per_token_buffer.device
     md = builder.build(0, move_step(host, lambda x: torch.from_numpy(x).to(device)))
     print(f"like='torch': results are {type(md.req_id_per_token).__name__}s on {device}")
-    for result, buffer in ((md.req_id_per_token, builder.req_id_per_token_buffer),
-                           (md.slot_mapping, builder.compressed_slot_mapping_buffer),
-                           (md.c128a_global_decode_topk_indices, builder.c128a_global_decode_buffer),
-                           (md.c128a_decode_topk_lens, builder.c128a_decode_lens_buffer),
-                           (md.c128a_prefill_topk_indices, builder.c128a_prefill_buffer)):
+    for result, buffer in (
+            (md.req_id_per_token, builder.req_id_per_token_buffer),
+            (md.slot_mapping, builder.compressed_slot_mapping_buffer),
+            (md.c128a_global_decode_topk_indices, builder.c128a_global_decode_buffer),
+            (md.c128a_decode_topk_lens, builder.c128a_decode_lens_buffer),
+            (md.c128a_prefill_topk_indices, builder.c128a_prefill_buffer)):
         assert isinstance(result, torch.Tensor)
         assert result.data_ptr() == buffer.data_ptr()     # a view: no copy was made
     print("  every result is a view of its persistent buffer (same data_ptr)")

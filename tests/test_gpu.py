@@ -108,7 +108,8 @@ def test_cupy_graph_capture_replays_new_values():
         stream.begin_capture()
         step.run()
         graph = stream.end_capture()
-    step.load(second)
+    with stream:                     # the copies must be ordered before the replay
+        step.load(second)
     graph.launch(stream)
     stream.synchronize()
     assert_same(step.results(), expected(second, "numpy"))
@@ -164,7 +165,8 @@ def test_cupy_graph_capture_of_builder():
         stream.begin_capture()
         md = builder.build(0, cm)
         graph = stream.end_capture()
-    copy_step(cm, second, "cupy")
+    with stream:                     # the copies must be ordered before the replay
+        copy_step(cm, second, "cupy")
     graph.launch(stream)
     stream.synchronize()
     assert_same(builder_results(md), expected_build(second))
