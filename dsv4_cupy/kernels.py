@@ -26,7 +26,7 @@ from .errors import KernelCompileError, NoGPUError, NVRTCMissingError
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
-_ENTRY_MACRO = re.compile(r"^\w+_ENTRY\((\w+),", re.M)
+_DTYPE_ENTRIES = re.compile(r"^DSV4_DTYPE_ENTRIES\((\w+),", re.M)
 _DEFINE = re.compile(r"^\s*#\s*define(?:[^\n]*\\\n)*[^\n]*", re.M)
 #: Options beyond CuPy's own (which adds -arch, -ftz, its include paths).
 BASE_OPTIONS = ("-std=c++17",)
@@ -86,9 +86,13 @@ def options() -> tuple[str, ...]:
 
 
 def entry_points(file: str) -> list[str]:
-    """The extern "C" kernels a file defines (plain and macro-made)."""
+    """The extern "C" kernels a file defines: plain ones, and the four dtype
+    variants ``PREFIX_p{32,64}_s{32,64}`` of each ``DSV4_DTYPE_ENTRIES(PREFIX, ...)``."""
     text = _DEFINE.sub("", source(file))
-    return sorted(set(_ENTRY.findall(text) + _ENTRY_MACRO.findall(text)))
+    names = _ENTRY.findall(text)
+    for prefix in _DTYPE_ENTRIES.findall(text):
+        names += [f"{prefix}_p{p}_s{s}" for p in (32, 64) for s in (32, 64)]
+    return sorted(set(names))
 
 
 def _cupy():

@@ -34,12 +34,4 @@ __device__ __forceinline__ void build_step(const BuildStepParams& p) {
     }
 }
 
-#define BUILD_STEP_ENTRY(NAME, PosT, SlotT)                                                 \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const BuildStepParams p) {       \
-        build_step<PosT, SlotT>(p);                                                         \
-    }
-
-BUILD_STEP_ENTRY(build_step_p32_s32, int, int)
-BUILD_STEP_ENTRY(build_step_p32_s64, int, long long)
-BUILD_STEP_ENTRY(build_step_p64_s32, long long, int)
-BUILD_STEP_ENTRY(build_step_p64_s64, long long, long long)
+DSV4_DTYPE_ENTRIES(build_step, BuildStepParams, build_step)

@@ -18,12 +18,4 @@ __device__ __forceinline__ void c128a_topk_metadata(const C128AParams& p) {
                 p.global_decode, p.gd_stride, p.decode_lens, p.prefill, p.pf_stride);
 }
 
-#define C128A_ENTRY(NAME, PosT, SlotT)                                                      \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const C128AParams p) {           \
-        c128a_topk_metadata<PosT, SlotT>(p);                                                \
-    }
-
-C128A_ENTRY(c128a_topk_metadata_p32_s32, int, int)
-C128A_ENTRY(c128a_topk_metadata_p32_s64, int, long long)
-C128A_ENTRY(c128a_topk_metadata_p64_s32, long long, int)
-C128A_ENTRY(c128a_topk_metadata_p64_s64, long long, long long)
+DSV4_DTYPE_ENTRIES(c128a_topk_metadata, C128AParams, c128a_topk_metadata)

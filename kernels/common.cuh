@@ -131,3 +131,13 @@ __device__ __forceinline__ void c128a_block(
                            block_size, bt_cols);
     }
 }
+
+// The four extern "C" entry points of a kernel family templated on the
+// positions and slot-mapping types: PREFIX_p32_s32 ... PREFIX_p64_s64.
+#define DSV4_DTYPE_ENTRIES(PREFIX, PARAMS, BODY)                                                \
+    DSV4_ENTRY(PREFIX##_p32_s32, PARAMS, (BODY<int, int>(p)))                                   \
+    DSV4_ENTRY(PREFIX##_p32_s64, PARAMS, (BODY<int, long long>(p)))                             \
+    DSV4_ENTRY(PREFIX##_p64_s32, PARAMS, (BODY<long long, int>(p)))                             \
+    DSV4_ENTRY(PREFIX##_p64_s64, PARAMS, (BODY<long long, long long>(p)))
+#define DSV4_ENTRY(NAME, PARAMS, CALL)                                                          \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const PARAMS p) { CALL; }

@@ -73,20 +73,28 @@ def assert_same(got, want):
         np.testing.assert_array_equal(g, w)
 
 
+def torch_capture(fn):
+    """Warm ``fn`` up on a side stream (compiles and loads), then capture it;
+    returns the graph and what the captured call returned."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 @pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
 def test_torch_graph_capture_replays_new_values():
     import torch
     first, second = two_steps()
     step = Step(first, "torch_cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step.run()                                 # compiles and loads before capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step.run()
+    graph, _ = torch_capture(step.run)
     step.load(second)
     graph.replay()
     torch.cuda.synchronize()
@@ -139,14 +147,7 @@ def test_torch_graph_capture_of_builder():
     first, second = two_steps()
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 18, 64, num_speculative_tokens=1, like="torch")
     cm = common_metadata(first, "torch_cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        builder.build(0, cm)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        md = builder.build(0, cm)
+    graph, md = torch_capture(lambda: builder.build(0, cm))
     copy_step(cm, second, "torch_cuda")
     graph.replay()
     torch.cuda.synchronize()
