@@ -261,6 +261,7 @@ class _LaunchBuffers(threading.local):
 
     def __init__(self):
         self.by_layout: dict = {}
+        self.bound_devices: set = set()   # devices whose context this thread has made current
 
     def get(self, layout) -> tuple:
         found = self.by_layout.get(layout.c_name)
@@ -286,6 +287,11 @@ def launch(file: str, name: str, device: int, blocks: int, layout, values: tuple
     if cupy.cuda.runtime.getDevice() != device:
         with cupy.cuda.Device(device):
             return launch(file, name, device, blocks, layout, values, stream)
+    if device not in _BUFFERS.bound_devices:
+        # cuLaunchKernel needs the device's context current on this thread;
+        # cudaSetDevice makes it so (a new thread may not have it yet).
+        cupy.cuda.runtime.setDevice(device)
+        _BUFFERS.bound_devices.add(device)
     function = get(file, name, device)
     storage, _, kernel_params = _BUFFERS.get(layout)
     layout.pack_into(storage, values)

@@ -232,3 +232,19 @@ def test_results_export_to_torch_without_copy():
     out = d4.token_to_req_indices(cupy.asarray(np.array([0, 2, 5], np.int32)), 6)
     tensor = d4.to_torch(out)
     assert tensor.data_ptr() == out.data.ptr and tensor.is_cuda
+
+
+def test_launch_from_a_new_thread():
+    """Launch parameters and the device context are per thread."""
+    import threading
+    first, _ = two_steps()
+    results = {}
+
+    def work():
+        step = Step(first, "cupy")
+        step.run()
+        results["got"] = step.results()
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert_same(results["got"], expected(first, "numpy"))
