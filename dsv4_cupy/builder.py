@@ -99,7 +99,7 @@ class DeepseekV4MetadataBuilder:
         if self.kind in arrays.GPU_KINDS:
             DeepseekV4FlashMLABackend.check_device()
         self._views: dict = {}
-        # Launch arguments that never change: buffer addresses and constants.
+        # The buffers never move, so their addresses are read once.
         self._buffer_ptrs = tuple(
             arrays.probe(name, buffer).ptr if buffer is not None else 0
             for name, buffer in (("req", self.req_id_per_token_buffer),
