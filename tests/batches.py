@@ -1,7 +1,6 @@
 """Random and hand-made DeepSeek-V4 batches for the tests (numpy, decodes first)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,23 +92,3 @@ def random_batch(rng, *, ratio=128, max_prefix=1 << 20, max_decodes=12, max_pref
 
 def poisoned(shape, dtype=np.int32):
     return np.full(shape, POISON, dtype)
-
-
-def reference_c128a(batch: Batch, width: int, nd: int, num_decodes: int, total: int):
-    """The reference C128A rows for the first ``total`` tokens."""
-    t2r = ref.token_to_req(batch.qsl.tolist(), batch.num_tokens)
-    return ref.c128a_topk(batch.positions[:total].tolist(), 128, nd, t2r,
-                          batch.block_table[:num_decodes].tolist(), batch.storage_block_size,
-                          batch.slot_mapping.tolist(), width)
-
-
-def as_array(rows, width, dtype=np.int32):
-    return np.array(rows, dtype).reshape(len(rows), width)
-
-
-def capacity_for(batch: Batch) -> int:
-    return ref.c128a_capacity(max(batch.max_seq_len, 1))
-
-
-def table_cols_for_width(width: int, storage: int) -> int:
-    return math.ceil(width / storage)
