@@ -11,6 +11,8 @@ from .spec import KV_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width, 
 from .split import split_host
 
 WIDTH_POLICIES = ("capacity", "active")
+#: Upper bound of block sizes and ratios: keeps every product in the kernels inside int64.
+MAX_BLOCK = 1 << 30
 _MAX_CACHED_VIEWS = 512
 
 
@@ -74,7 +76,8 @@ class DeepseekV4MetadataBuilder:
         self.full_validation = validation.check_mode(validate)
         self.num_cache_blocks = num_cache_blocks
         self.storage_block_size = self.block_size // self.compress_ratio
-        if self.compress_ratio > 1 and self.storage_block_size < 1:
+        if self.compress_ratio > 1 and (self.block_size % self.compress_ratio
+                                        or self.block_size // self.compress_ratio > MAX_BLOCK):
             raise ValueError(f"block_size: expected a multiple of compress_ratio "
                              f"({self.compress_ratio}), got {self.block_size}")
         self.capacity = c128a_capacity(self.max_model_len) if self.compress_ratio == 128 else 0
@@ -100,13 +103,10 @@ class DeepseekV4MetadataBuilder:
             DeepseekV4FlashMLABackend.check_device()
         self._views: dict = {}
         # The buffers never move, so their addresses are read once.
-        self._buffer_ptrs = tuple(
-            arrays.probe(name, buffer).ptr if buffer is not None else 0
-            for name, buffer in (("req", self.req_id_per_token_buffer),
-                                 ("csm", self.compressed_slot_mapping_buffer),
-                                 ("gd", self.c128a_global_decode_buffer),
-                                 ("lens", self.c128a_decode_lens_buffer),
-                                 ("pf", self.c128a_prefill_buffer)))
+        self._buffer_ops = [arrays.probe(name, getattr(self, name)) for name in (
+            "req_id_per_token_buffer", "compressed_slot_mapping_buffer",
+            "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer")]
+        self._buffer_ptrs = tuple(op.ptr if op is not None else 0 for op in self._buffer_ops)
         self._slot_buffer_len = n if self.compressed_slot_mapping_buffer is not None else 0
 
     def width(self, max_seq_len: int) -> int:
@@ -139,6 +139,9 @@ class DeepseekV4MetadataBuilder:
             qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
             num_decodes, num_prefills, nd, num_prefill = split_host(
                 qsl, self.decode_threshold, False, num_tokens, cm.max_query_len)
+        if not 0 <= nd <= num_tokens:
+            raise ValueError(f"query_start_loc_cpu: expected the decode/prefill boundary inside "
+                             f"[0, num_actual_tokens={num_tokens}], got token {nd}")
         if nd and min(table.shape) == 0:
             raise ValueError("block_table_tensor: expected at least one row and column for "
                              f"C128A decode lookups, got shape {tuple(table.shape)}")
@@ -205,22 +208,23 @@ class DeepseekV4MetadataBuilder:
         arrays.check(ops["slot_mapping"], SLOT_DTYPES, 1, min_len=num_tokens)
         if needs_positions:
             arrays.check(ops["positions"], POSITION_DTYPES, 1, min_len=num_tokens)
+        arrays.check_no_alias(self._buffer_ops, list(ops.values()))
         return num_tokens, qsl_cpu, ops
 
     def _check_step_data(self, cm, qsl_cpu, num_tokens, nd, num_decodes):
         """``validate="full"``: the step's data (reads device arrays)."""
         kind, table = self.kind, cm.block_table_tensor
-        validation.query_layout(cm.query_start_loc, cm.seq_lens, kind, table.shape[0], num_tokens)
+        qsl = cm.query_start_loc[:cm.num_reqs + 1]
+        validation.query_layout(qsl, cm.seq_lens, kind, table.shape[0], num_tokens)
         validation.decodes_first(arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1],
                                  self.decode_threshold)
         if self.compress_ratio > 1:
-            validation.slot_mapping_inputs(cm.query_start_loc, cm.seq_lens, table, kind,
+            validation.slot_mapping_inputs(qsl, cm.seq_lens, table, kind,
                                            self.storage_block_size, self.compress_ratio, 1,
                                            self.num_cache_blocks)
         if nd:
             ids = np.empty(nd, np.int32)
-            qsl = validation.host_copy(cm.query_start_loc, kind)
-            cpu.token_to_req_indices(qsl, np.int64(nd), ids)
+            cpu.token_to_req_indices(validation.host_copy(qsl, kind), np.int64(nd), ids)
             validation.c128a_inputs(cm.positions, ids, table[:num_decodes], kind, nd, 128,
                                     self.width(cm.max_seq_len), self.storage_block_size,
                                     self.num_cache_blocks, ids_kind=arrays.NUMPY)
@@ -254,7 +258,7 @@ class DeepseekV4MetadataBuilder:
         kind, positions, slot_mapping, block_table = (self.kind, cm.positions, cm.slot_mapping,
                                                       cm.block_table_tensor)
         h = arrays.host_view
-        qsl = h(cm.query_start_loc, kind)
+        qsl = h(cm.query_start_loc, kind)[:cm.num_reqs + 1]     # as the GPU path reads it
         req = h(self.req_id_per_token_buffer, kind)[:num_tokens]
         cpu.token_to_req_indices(qsl, np.int64(num_tokens), req)
         table = h(block_table, kind)
@@ -264,10 +268,12 @@ class DeepseekV4MetadataBuilder:
                                         np.int64(self.compress_ratio), np.int64(1), np.int64(0),
                                         np.int64(1), h(self.compressed_slot_mapping_buffer, kind))
         if c128a_tokens:
-            validation.request_ids(req, arrays.NUMPY, nd, num_decodes)
+            # The whole table, as on the GPU: the request ids come from the
+            # device query_start_loc and may outrun a stale host split.
+            validation.request_ids(req, arrays.NUMPY, nd, table.shape[0])
             cpu.c128a_topk_metadata(
                 h(positions, kind)[:c128a_tokens], np.int64(128), np.int64(nd), req,
-                table[:num_decodes], np.int64(self.storage_block_size), h(slot_mapping, kind),
+                table, np.int64(self.storage_block_size), h(slot_mapping, kind),
                 np.int64(width), h(self.c128a_global_decode_buffer, kind),
                 h(self.c128a_decode_lens_buffer, kind), h(self.c128a_prefill_buffer, kind))
 

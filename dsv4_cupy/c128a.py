@@ -18,14 +18,6 @@ def entry_name(prefix: str, positions_dtype: np.dtype, slot_dtype: np.dtype) -> 
     return f"{prefix}_p{positions_dtype.itemsize * 8}_s{slot_dtype.itemsize * 8}"
 
 
-def _max_visible_rows(positions, kind: str, compress_ratio: int) -> int:
-    """Largest visible-row count in the batch (reads positions: a sync on GPU)."""
-    if positions.shape[0] == 0:
-        return 0
-    source = positions if kind in arrays.GPU_KINDS else arrays.host_view(positions, kind)
-    return max((int(source.max()) + 1) // compress_ratio, 0)
-
-
 def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int,
                               token_to_req_indices, block_table, block_size: int, slot_mapping,
                               global_decode_buffer=None, decode_lens_buffer=None,
@@ -85,7 +77,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     positions_dtype = arrays.check(pos, POSITION_DTYPES, 1)
     num_tokens = pos.shape[0]
     compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
-    block_size = arrays.check_int("block_size", block_size, minimum=1)
+    block_size = arrays.check_int("block_size", block_size, minimum=1, maximum=1 << 30)
     nd = arrays.check_int("num_decode_tokens", num_decode_tokens, minimum=0, maximum=num_tokens)
     num_prefill = num_tokens - nd
     arrays.check(t2r, (INT32,), 1, min_len=nd)
@@ -104,8 +96,9 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     elif row_buffers:
         width = min(op.shape[1] for op in row_buffers)
     else:
-        rows = _max_visible_rows(positions, kind, compress_ratio)
-        width = max(C128A_TOPK_ALIGNMENT, round_up(rows, C128A_TOPK_ALIGNMENT))
+        # Reads positions: a sync on GPU (documented; pass the width to avoid it).
+        rows = validation.visible_rows(positions, kind, num_tokens, compress_ratio, 1 << 31)
+        width = max(C128A_TOPK_ALIGNMENT, round_up(int(rows.max(initial=0)), C128A_TOPK_ALIGNMENT))
 
     gd = arrays.output("global_decode_buffer", ops["global_decode_buffer"], kind, device, INT32,
                        nd, width)
@@ -113,7 +106,8 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     pf = arrays.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32, num_prefill,
                        width)
     arrays.check_no_alias([gd, lens, pf], [pos, t2r, table, slots])
-    if validation.check_mode(validate):
+    full = validation.check_mode(validate)
+    if full:
         validation.c128a_inputs(positions, token_to_req_indices, block_table, kind, nd,
                                 compress_ratio, width, block_size, num_cache_blocks)
 
@@ -132,7 +126,8 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     else:
         h = arrays.host_view
         host_t2r = h(token_to_req_indices, kind)
-        validation.request_ids(host_t2r, arrays.NUMPY, nd, table.shape[0])
+        if not full:                  # the CPU path always checks request ids
+            validation.request_ids(host_t2r, arrays.NUMPY, nd, table.shape[0])
         cpu.c128a_topk_metadata(h(positions, kind), np.int64(compress_ratio), np.int64(nd),
                                 host_t2r, h(block_table, kind), np.int64(block_size),
                                 h(slot_mapping, kind), np.int64(width), h(gd.array, kind),

@@ -8,10 +8,10 @@ from .arrays import INT32, INT64
 
 
 def check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size) -> tuple[int, int, int]:
-    world = arrays.check_int("cp_world_size", cp_world_size, minimum=1)
+    world = arrays.check_int("cp_world_size", cp_world_size, minimum=1, maximum=1 << 16)
     rank = arrays.check_int("cp_rank", cp_rank, minimum=0, maximum=world - 1)
     interleave = arrays.check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size,
-                                  minimum=1)
+                                  minimum=1, maximum=1 << 16)
     return world, rank, interleave
 
 
@@ -58,8 +58,9 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
                                           "seq_lens": seq_lens, "block_table": block_table,
                                           "out": out})
     num_tokens = arrays.check_int("num_tokens", num_tokens, minimum=0)
-    block_size = arrays.check_int("block_size", block_size, minimum=1)
-    compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
+    # Bounded so block_size * cp_world_size and the slot products stay inside int64.
+    block_size = arrays.check_int("block_size", block_size, minimum=1, maximum=1 << 30)
+    compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1, maximum=1 << 30)
     world, rank, interleave = check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size)
     table, qsl, seq = ops["block_table"], ops["query_start_loc"], ops["seq_lens"]
     arrays.check(table, (INT32,), 2)

@@ -28,7 +28,8 @@ def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1,
 
     Returns
     -------
-    ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`` as ints.
+    ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`` as ints;
+    ``(0, 0, 0, 0)`` for a batch with no request (its tokens, if any, are padding).
     The batch is assumed reordered decodes first (vLLM's runner does this); the
     first request over the threshold starts the prefills.
     """

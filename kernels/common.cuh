@@ -3,9 +3,11 @@
 // Rules every kernel here follows:
 //  * indices and addresses are 64-bit (i64); a block table or an output with
 //    more than 2^31 elements must not wrap;
-//  * every index that feeds an address is clamped or masked, for lanes whose
-//    result is discarded too (vLLM bugs: masked-lane OOB, garbage positions
-//    of padding tokens, out-of-range block-table columns);
+//  * every data-dependent index that feeds an address (request ids, block
+//    columns, qsl-derived output slots) is clamped or masked, for lanes whose
+//    result is discarded too (vLLM bugs: masked-lane OOB, garbage positions of
+//    padding tokens, out-of-range block-table columns); sizes such as the
+//    decode/prefill boundary are checked on the host before the launch;
 //  * no architecture-specific instructions: the same source serves sm_90 and
 //    sm_100.
 #pragma once
@@ -63,7 +65,7 @@ __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, int width)
 }
 
 // Writes columns [c0, c1) of one C128A row: value(e) for e < n, else -1.
-// 16-byte stores when the row allows them (c0 is a multiple of 4).
+// 16-byte stores when row + c0 is 16-byte aligned (then every vector is).
 //  decode  (block_row != nullptr): value(e) = block_row[e / bs] * bs + e % bs,
 //          computed in 32 bits like the seed; column clamped to the table row.
 //  prefill (block_row == nullptr): value(e) = e.

@@ -147,3 +147,41 @@ def test_builder_arguments():
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, block_size=64)
     with pytest.raises(TypeError, match="common_attn_metadata: expected a CommonAttentionMetadata"):
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64).build(0, {"num_reqs": 1})
+
+
+def test_builder_rejects_a_boundary_outside_the_step():
+    from test_builder import common_metadata
+    builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64)
+    cm = common_metadata(make_batch([1, 30], [500, 0]), "numpy")
+    cm.query_start_loc_cpu = np.array([0, -5, 31], I32)       # garbage host boundaries
+    with pytest.raises(ValueError, match="query_start_loc_cpu: expected the decode/prefill "
+                                         "boundary inside"):
+        builder.build(0, cm)
+    assert (builder.c128a_prefill_buffer == -1).all()
+
+
+def test_builder_reads_query_start_loc_up_to_num_reqs():
+    """A padded query_start_loc (longer than num_reqs + 1) maps as on the GPU."""
+    from test_builder import common_metadata
+    builder = d4.DeepseekV4MetadataBuilder(4, 1 << 16, 64)
+    cm = common_metadata(make_batch([2, 2], [10, 20], ratio=4), "numpy")
+    cm.query_start_loc = np.array([0, 2, 4, 8], I32)
+    cm.num_actual_tokens = 8
+    cm.slot_mapping = np.zeros(8, I64)
+    md = builder.build(0, cm)
+    assert md.req_id_per_token.tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+
+
+def test_builder_rejects_step_arrays_inside_its_buffers():
+    from test_builder import common_metadata
+    builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64)
+    cm = common_metadata(make_batch([1, 1], [500, 700]), "numpy")
+    cm.slot_mapping = builder.compressed_slot_mapping_buffer[:2]     # last step's result
+    with pytest.raises(ValueError, match="compressed_slot_mapping_buffer: output memory overlaps "
+                                         "slot_mapping"):
+        builder.build(0, cm)
+
+
+def test_builder_block_size_must_divide_by_the_ratio():
+    with pytest.raises(ValueError, match="block_size: expected a multiple of compress_ratio"):
+        d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, block_size=300)
