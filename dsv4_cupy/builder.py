@@ -146,7 +146,7 @@ class DeepseekV4MetadataBuilder:
             raise ValueError("block_table_tensor: expected at least one row and column for "
                              f"C128A decode lookups, got shape {tuple(table.shape)}")
         if self.full_validation:
-            self._check_step_data(cm, qsl_cpu, num_tokens, nd, num_decodes)
+            self._check_step_data(cm, qsl_cpu, num_tokens, nd)
         # The C128A rows cover the split's tokens (none for a batch of padding only).
         c128a_tokens = nd + num_prefill
         width = self.width(cm.max_seq_len) if c128a_tokens else 0
@@ -211,21 +211,23 @@ class DeepseekV4MetadataBuilder:
         arrays.check_no_alias(self._buffer_ops, list(ops.values()))
         return num_tokens, qsl_cpu, ops
 
-    def _check_step_data(self, cm, qsl_cpu, num_tokens, nd, num_decodes):
-        """``validate="full"``: the step's data (reads device arrays)."""
+    def _check_step_data(self, cm, qsl_cpu, num_tokens, nd):
+        """``validate="full"``: the step's data (reads device arrays). The decode
+        lookups are checked against the whole table, as both paths read it."""
         kind, table = self.kind, cm.block_table_tensor
         qsl = cm.query_start_loc[:cm.num_reqs + 1]
-        validation.query_layout(qsl, cm.seq_lens, kind, table.shape[0], num_tokens)
         validation.decodes_first(arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1],
                                  self.decode_threshold)
         if self.compress_ratio > 1:
             validation.slot_mapping_inputs(qsl, cm.seq_lens, table, kind,
                                            self.storage_block_size, self.compress_ratio, 1,
-                                           self.num_cache_blocks)
+                                           self.num_cache_blocks, num_tokens)
+        else:
+            validation.query_layout(qsl, cm.seq_lens, kind, table.shape[0], num_tokens)
         if nd:
             ids = np.empty(nd, np.int32)
             cpu.token_to_req_indices(validation.host_copy(qsl, kind), np.int64(nd), ids)
-            validation.c128a_inputs(cm.positions, ids, table[:num_decodes], kind, nd, 128,
+            validation.c128a_inputs(cm.positions, ids, table, kind, nd, 128,
                                     self.width(cm.max_seq_len), self.storage_block_size,
                                     self.num_cache_blocks, ids_kind=arrays.NUMPY)
 

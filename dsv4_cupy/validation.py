@@ -100,11 +100,13 @@ def visible_rows(positions, kind: str, count: int, ratio: int, width: int) -> np
 
 
 def slot_mapping_inputs(qsl, seq_lens, block_table, kind: str, block_size: int, ratio: int,
-                        cp_world_size: int, num_cache_blocks: int | None) -> None:
-    """Full checks for ``get_compressed_slot_mapping``: query layout, and the
-    last compressed row each request closes lies inside its table row (and cache)."""
+                        cp_world_size: int, num_cache_blocks: int | None,
+                        num_tokens: int | None = None) -> None:
+    """Full checks for ``get_compressed_slot_mapping``: query layout (see
+    ``query_layout``), and the last compressed row each request closes lies
+    inside its table row (and cache)."""
     rows = block_table.shape[0]
-    query_layout(qsl, seq_lens, kind, rows)
+    query_layout(qsl, seq_lens, kind, rows, num_tokens)
     if not rows:
         return
     q = host_copy(qsl, kind)[:rows + 1].astype(np.int64)
