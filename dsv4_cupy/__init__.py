@@ -10,7 +10,6 @@ from .builder import DeepseekV4MetadataBuilder
 from .c128a import build_c128a_topk_metadata
 from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
                      UnsupportedDeviceError)
-from .kernels import warmup
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .slot_mapping import get_compressed_slot_mapping
 from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, KV_BLOCK_SIZE,
@@ -18,6 +17,7 @@ from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, 
                    kv_cache_shape)
 from .split import split_decodes_and_prefills
 from .token_map import token_to_req_indices
+from .warmup import warmup
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ def _info(args) -> int:
     import numba
     import numpy
 
-    from . import __version__, kernels
+    from . import __version__, device, loader
     from .errors import Dsv4Error
     from .spec import DeepseekV4FlashMLABackend
     print(f"dsv4_cupy {__version__}  python {platform.python_version()}  numpy {numpy.__version__}"
@@ -19,45 +19,53 @@ def _info(args) -> int:
     try:
         import cupy
         print(f"cupy {cupy.__version__}")
-        print(f"nvrtc {'.'.join(map(str, kernels.nvrtc_version()))}")
-        device = kernels.require_gpu()
+        print(f"nvrtc {'.'.join(map(str, device.nvrtc_version()))}")
+        gpu = device.require_gpu()
         cap = DeepseekV4FlashMLABackend.current_device_capability()
         supported = DeepseekV4FlashMLABackend.supports_compute_capability(cap)
-        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode()
-        print(f"gpu {device.id}: {name} ({cap}), "
+        name = cupy.cuda.runtime.getDeviceProperties(gpu.id)["name"].decode()
+        print(f"gpu {gpu.id}: {name} ({cap}), "
               f"{'supported' if supported else 'not a 9.x/10.x device'}")
     except ImportError:
         print("cupy not installed: CPU path only")
     except Dsv4Error as error:
         print(f"{type(error).__name__}: {error}")
-    print(f"kernels: {kernels.kernel_dir()} ({', '.join(kernels.kernel_files())})")
+    print(f"kernels: {loader.kernel_dir()} ({', '.join(loader.kernel_files())})")
     return 0
 
 
 def _compile(args) -> int:
-    from . import kernels
+    import re
+
+    from . import families, loader
     from .errors import Dsv4Error
-    archs = args.arch or list(kernels.DEFAULT_ARCHS)
+    archs = args.arch or list(loader.DEFAULT_ARCHS)
+    bad = [arch for arch in archs if not re.fullmatch(r"sm_\d+[af]?", arch)]
+    if bad:
+        print(f"FAILED: --arch: expected names like 'sm_90' or 'sm_100a', got {', '.join(bad)}")
+        return 1
     failures = 0
-    print(f"{'kernel file':18} {'arch':8} {'entry points':>12} {'cubin bytes':>12} {'seconds':>8}  status")
-    for file in kernels.kernel_files():
+    print(f"{'kernel family':26} {'arch':8} {'entry points':>12} {'cubin bytes':>12} "
+          f"{'seconds':>8}  status")
+    for family in families.ALL:
         for arch in archs:
             start = time.perf_counter()
             try:
-                size, status = len(kernels.compile_for(file, arch)), "ok"
-            except (Dsv4Error, ValueError) as error:
+                size, status = len(loader.compile_for(family, arch)), "ok"
+            except Dsv4Error as error:
                 size, status = 0, f"FAILED: {error}"
                 failures += 1
-            print(f"{file:18} {arch:8} {len(kernels.entry_points(file)):12d} {size:12d} "
+            print(f"{family.file + ':' + family.function:26} {arch:8} "
+                  f"{len(family.entry_points()):12d} {size:12d} "
                   f"{time.perf_counter() - start:8.2f}  {status}")
     print(f"{failures} failed" if failures else "all kernels compiled")
     return 1 if failures else 0
 
 
 def _warmup(args) -> int:
-    from . import kernels
+    from .warmup import warmup
     start = time.perf_counter()
-    done = kernels.warmup(gpu=True if args.gpu else None, cpu=True if args.cpu else None)
+    done = warmup(gpu=True if args.gpu else None, cpu=True if args.cpu else None)
     print(f"warmed {len(done['gpu'])} GPU kernels and {len(done['cpu'])} CPU kernels "
           f"in {time.perf_counter() - start:.2f} s")
     return 0

@@ -8,11 +8,13 @@ cupy and torch are imported only when an array of theirs shows up.
 """
 from __future__ import annotations
 
-import operator
 import sys
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from . import params
+from .device import require_gpu
 
 NUMPY, TORCH_CPU, CUPY, TORCH_CUDA = "numpy", "torch_cpu", "cupy", "torch_cuda"
 GPU_KINDS = (CUPY, TORCH_CUDA)
@@ -129,22 +131,6 @@ def _to_torch_dtype(dtype: np.dtype):
     return {INT32: torch.int32, INT64: torch.int64}[np.dtype(dtype)]
 
 
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int in ``[minimum, maximum]``; bools and floats are refused."""
-    if type(value) is not int:
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name}: expected an int, got bool")
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-    return value
-
-
 def probe_all(arrays: dict) -> tuple[str, int, dict]:
     """Probe every array (name -> array or None); all must share one kind and device.
 
@@ -230,6 +216,20 @@ def check_no_alias(outputs: list, inputs: list) -> None:
         spans.append((op.name, (lo, hi)))
 
 
+def block_table_group(op: Operand) -> tuple:
+    """The ``BlockTable`` launch fields of a checked 2-D int32 array."""
+    rows, cols = op.shape
+    return params.BLOCK_TABLE.values(entries=op.ptr, rows=rows, cols=cols,
+                                     row_stride=row_stride(op) if rows else 0)
+
+
+def host_copy(x, kind: str) -> np.ndarray:
+    """A numpy copy of device memory (a sync), or a view of host memory."""
+    if kind in GPU_KINDS:
+        return x.get() if kind == CUPY else x.cpu().numpy()
+    return host_view(x, kind)
+
+
 def host_view(x, kind: str) -> np.ndarray:
     """A numpy view of host memory (torch CPU through DLPack, zero-copy)."""
     return x if kind == NUMPY else np.from_dlpack(x)
@@ -265,7 +265,6 @@ def full_like_kind(like, shape: tuple, dtype, value: int, device: int | None = N
     if device is None or device < 0:
         device = -1
         if kind == CUPY:
-            from .kernels import require_gpu
             device = require_gpu().id
         elif kind == TORCH_CUDA:
             device = _torch().cuda.current_device()

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, kernels, params, validation
+from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32, INT64
-from .c128a import POSITION_DTYPES, SLOT_DTYPES, entry_name
+from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
-from .spec import KV_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width, c128a_capacity
+from .scalars import check_choice, check_int
+from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width,
+                   c128a_capacity)
 from .split import split_host
 
 WIDTH_POLICIES = ("capacity", "active")
-#: Upper bound of block sizes and ratios: keeps every product in the kernels inside int64.
-MAX_BLOCK = 1 << 30
 _MAX_CACHED_VIEWS = 512
 
 
@@ -62,22 +62,20 @@ class DeepseekV4MetadataBuilder:
                  num_speculative_tokens: int = 0, width_policy: str = "capacity",
                  like="numpy", device: int | None = None, validate: str = "default",
                  num_cache_blocks: int | None = None):
-        self.compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
-        self.max_model_len = arrays.check_int("max_model_len", max_model_len, minimum=1)
-        self.max_num_batched_tokens = arrays.check_int("max_num_batched_tokens",
+        self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1)
+        self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens",
                                                        max_num_batched_tokens, minimum=1)
-        self.block_size = arrays.check_int("block_size", block_size, minimum=1)
-        self.topk_tokens = arrays.check_int("index_topk", index_topk, minimum=1)
-        spec_tokens = arrays.check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+        self.block_size = check_int("block_size", block_size, minimum=1)
+        self.topk_tokens = check_int("index_topk", index_topk, minimum=1)
+        spec_tokens = check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         self.decode_threshold = 1 + spec_tokens
-        if width_policy not in WIDTH_POLICIES:
-            raise ValueError(f"width_policy: expected one of {WIDTH_POLICIES}, got {width_policy!r}")
-        self.width_policy = width_policy
+        self.width_policy = check_choice("width_policy", width_policy, WIDTH_POLICIES)
         self.full_validation = validation.check_mode(validate)
         self.num_cache_blocks = num_cache_blocks
         self.storage_block_size = self.block_size // self.compress_ratio
         if self.compress_ratio > 1 and (self.block_size % self.compress_ratio
-                                        or self.block_size // self.compress_ratio > MAX_BLOCK):
+                                        or self.block_size // self.compress_ratio > MAX_BLOCK_SIZE):
             raise ValueError(f"block_size: expected a multiple of compress_ratio "
                              f"({self.compress_ratio}), got {self.block_size}")
         self.capacity = c128a_capacity(self.max_model_len) if self.compress_ratio == 128 else 0
@@ -106,7 +104,8 @@ class DeepseekV4MetadataBuilder:
         self._buffer_ops = [arrays.probe(name, getattr(self, name)) for name in (
             "req_id_per_token_buffer", "compressed_slot_mapping_buffer",
             "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer")]
-        self._buffer_ptrs = tuple(op.ptr if op is not None else 0 for op in self._buffer_ops)
+        self._buffer_ptrs = dict((name, op.ptr if op is not None else 0) for name, op in zip(
+            ("req", "slots", "global_decode", "decode_lens", "prefill"), self._buffer_ops))
         self._slot_buffer_len = n if self.compressed_slot_mapping_buffer is not None else 0
 
     def width(self, max_seq_len: int) -> int:
@@ -131,43 +130,45 @@ class DeepseekV4MetadataBuilder:
         num_tokens, qsl_cpu, ops = self._check_step(cm)
         table = ops["block_table_tensor"]
         if ratio != 128:
-            num_decodes = num_prefills = nd = num_prefill = 0
+            num_decodes = num_prefills = num_decode_tokens = num_prefill_tokens = 0
         elif cm.num_reqs and cm.max_query_len <= self.decode_threshold:
             # A pure decode step, decided from host ints alone (the usual case).
-            num_decodes, num_prefills, nd, num_prefill = cm.num_reqs, 0, num_tokens, 0
+            num_decodes, num_prefills = cm.num_reqs, 0
+            num_decode_tokens, num_prefill_tokens = num_tokens, 0
         else:
             qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
-            num_decodes, num_prefills, nd, num_prefill = split_host(
+            num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_host(
                 qsl, self.decode_threshold, False, num_tokens, cm.max_query_len)
-        if not 0 <= nd <= num_tokens:
+        if not 0 <= num_decode_tokens <= num_tokens:
             raise ValueError(f"query_start_loc_cpu: expected the decode/prefill boundary inside "
-                             f"[0, num_actual_tokens={num_tokens}], got token {nd}")
-        if nd and min(table.shape) == 0:
+                             f"[0, num_actual_tokens={num_tokens}], got token {num_decode_tokens}")
+        if num_decode_tokens and min(table.shape) == 0:
             raise ValueError("block_table_tensor: expected at least one row and column for "
                              f"C128A decode lookups, got shape {tuple(table.shape)}")
         if self.full_validation:
-            self._check_step_data(cm, qsl_cpu, num_tokens, nd)
+            self._check_step_data(cm, qsl_cpu, num_tokens, num_decode_tokens)
         # The C128A rows cover the split's tokens (none for a batch of padding only).
-        c128a_tokens = nd + num_prefill
+        c128a_tokens = num_decode_tokens + num_prefill_tokens
         width = self.width(cm.max_seq_len) if c128a_tokens else 0
 
         if self.kind in arrays.GPU_KINDS:
-            self._launch(cm.num_reqs, ops, num_tokens, c128a_tokens, nd, width)
+            self._launch(cm.num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width)
         else:
-            self._run_cpu(cm, num_tokens, c128a_tokens, nd, num_decodes, width)
+            self._run_cpu(cm, num_tokens, c128a_tokens, num_decode_tokens, width)
 
-        req_view, csm_view, gd_view, lens_view, pf_view = self._result_views(
-            num_tokens, nd, num_prefill, width)
+        req_view, slots_view, decode_view, lens_view, prefill_view = self._result_views(
+            num_tokens, num_decode_tokens, num_prefill_tokens, width)
         return DeepseekV4Metadata(
             num_reqs=cm.num_reqs, max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
             num_actual_tokens=num_tokens, query_start_loc=cm.query_start_loc,
-            slot_mapping=csm_view if ratio > 1 else cm.slot_mapping,
+            slot_mapping=slots_view if ratio > 1 else cm.slot_mapping,
             block_table=cm.block_table_tensor, req_id_per_token=req_view,
             block_size=self.block_size, topk_tokens=self.topk_tokens, num_decodes=num_decodes,
-            num_prefills=num_prefills, num_decode_tokens=nd, num_prefill_tokens=num_prefill,
-            c128a_global_decode_topk_indices=gd_view if nd else None,
-            c128a_decode_topk_lens=lens_view if nd else None,
-            c128a_prefill_topk_indices=pf_view if num_prefill else None)
+            num_prefills=num_prefills, num_decode_tokens=num_decode_tokens,
+            num_prefill_tokens=num_prefill_tokens,
+            c128a_global_decode_topk_indices=decode_view if num_decode_tokens else None,
+            c128a_decode_topk_lens=lens_view if num_decode_tokens else None,
+            c128a_prefill_topk_indices=prefill_view if num_prefill_tokens else None)
 
     def _check_step(self, cm: CommonAttentionMetadata):
         """Validate the step's arrays (kind, device, dtypes, lengths); no sync.
@@ -177,11 +178,11 @@ class DeepseekV4MetadataBuilder:
         if not isinstance(cm, CommonAttentionMetadata):
             raise TypeError("common_attn_metadata: expected a CommonAttentionMetadata, "
                             f"got {type(cm).__name__}")
-        num_tokens = arrays.check_int("num_actual_tokens", cm.num_actual_tokens, minimum=0,
+        num_tokens = check_int("num_actual_tokens", cm.num_actual_tokens, minimum=0,
                                       maximum=self.max_num_batched_tokens)
-        num_reqs = arrays.check_int("num_reqs", cm.num_reqs, minimum=0)
-        arrays.check_int("max_seq_len", cm.max_seq_len, minimum=0)
-        arrays.check_int("max_query_len", cm.max_query_len, minimum=0)
+        num_reqs = check_int("num_reqs", cm.num_reqs, minimum=0)
+        check_int("max_seq_len", cm.max_seq_len, minimum=0)
+        check_int("max_query_len", cm.max_query_len, minimum=0)
         needs_positions = self.compress_ratio == 128 and num_tokens > 0
         if needs_positions and cm.positions is None:
             raise ValueError("positions: required for C128A metadata (compress_ratio 128), got None")
@@ -205,13 +206,13 @@ class DeepseekV4MetadataBuilder:
                              f"got shape {tuple(table.shape)}")
         arrays.check(ops["query_start_loc"], (INT32,), 1, min_len=num_reqs + 1)
         arrays.check(ops["seq_lens"], (INT32,), 1, min_len=table.shape[0])
-        arrays.check(ops["slot_mapping"], SLOT_DTYPES, 1, min_len=num_tokens)
+        arrays.check(ops["slot_mapping"], SLOT_MAPPING_AXIS[1], 1, min_len=num_tokens)
         if needs_positions:
-            arrays.check(ops["positions"], POSITION_DTYPES, 1, min_len=num_tokens)
+            arrays.check(ops["positions"], POSITIONS_AXIS[1], 1, min_len=num_tokens)
         arrays.check_no_alias(self._buffer_ops, list(ops.values()))
         return num_tokens, qsl_cpu, ops
 
-    def _check_step_data(self, cm, qsl_cpu, num_tokens, nd):
+    def _check_step_data(self, cm, qsl_cpu, num_tokens, num_decode_tokens):
         """``validate="full"``: the step's data (reads device arrays). The decode
         lookups are checked against the whole table, as both paths read it."""
         kind, table = self.kind, cm.block_table_tensor
@@ -224,75 +225,78 @@ class DeepseekV4MetadataBuilder:
                                            self.num_cache_blocks, num_tokens)
         else:
             validation.query_layout(qsl, cm.seq_lens, kind, table.shape[0], num_tokens)
-        if nd:
-            ids = np.empty(nd, np.int32)
-            cpu.token_to_req_indices(validation.host_copy(qsl, kind), np.int64(nd), ids)
-            validation.c128a_inputs(cm.positions, ids, table, kind, nd, 128,
+        if num_decode_tokens:
+            ids = validation.token_requests(arrays.host_copy(qsl, kind), num_decode_tokens)
+            validation.c128a_inputs(cm.positions, ids, table, kind, num_decode_tokens, 128,
                                     self.width(cm.max_seq_len), self.storage_block_size,
                                     self.num_cache_blocks, ids_kind=arrays.NUMPY)
 
-    def _launch(self, num_reqs, ops, num_tokens, c128a_tokens, nd, width):
+    def _launch(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width):
         """The fused step kernel: token map, whole slot-mapping buffer, C128A rows."""
         table, positions = ops["block_table_tensor"], ops["positions"]
-        if c128a_tokens:
-            per_block, chunks = kernels.row_geometry(c128a_tokens, width, self.device)
-            positions_dtype = positions.dtype
-        else:
-            per_block, chunks, positions_dtype = 0, 1, INT64
-        row_blocks = c128a_tokens * chunks if per_block else 0
-        token_blocks = -(-max(num_tokens, self._slot_buffer_len) // kernels.THREADS)
-        if row_blocks + token_blocks == 0:
+        cols_per_block, chunks, row_blocks = geometry.row_chunks(c128a_tokens, width, self.device)
+        positions_dtype = positions.dtype if row_blocks else POSITIONS_AXIS[1][-1]
+        blocks = row_blocks + geometry.element_blocks(max(num_tokens, self._slot_buffer_len))
+        if blocks == 0:
             return
-        name = entry_name("build_step", positions_dtype, ops["slot_mapping"].dtype)
-        req_ptr, csm_ptr, gd_ptr, lens_ptr, pf_ptr = self._buffer_ptrs
-        kernels.launch("build_step.cu", name, self.device, row_blocks + token_blocks,
-                       params.BUILD_STEP, (
-                           ops["query_start_loc"].ptr, ops["seq_lens"].ptr, table.ptr,
-                           positions.ptr if per_block else 0, ops["slot_mapping"].ptr, req_ptr,
-                           csm_ptr, gd_ptr, lens_ptr, pf_ptr, table.shape[0], table.shape[1],
-                           arrays.row_stride(table) if table.shape[0] else 0, num_tokens, nd,
-                           self.compress_ratio, max(self.storage_block_size, 1), 1, 0, 1,
-                           self._slot_buffer_len, self.capacity, row_blocks, num_reqs, width,
-                           per_block, chunks),
-                       arrays.launch_stream(self.kind, self.device))
+        buffers = self._buffer_ptrs
+        families.BUILD_STEP.launch(
+            self.device, blocks, arrays.launch_stream(self.kind, self.device),
+            (positions_dtype, ops["slot_mapping"].dtype),
+            query=params.QUERY_LAYOUT.values(query_start_loc=ops["query_start_loc"].ptr,
+                                             seq_lens=ops["seq_lens"].ptr, num_reqs=num_reqs),
+            table=arrays.block_table_group(table),
+            geometry=params.SLOT_GEOMETRY.values(
+                block_size=max(self.storage_block_size, 1), ratio=self.compress_ratio,
+                cp_world_size=1, cp_rank=0, cp_interleave=1),
+            positions=positions.ptr if row_blocks else 0, slot_mapping=ops["slot_mapping"].ptr,
+            req_out=buffers["req"], slots_out=buffers["slots"], slots_len=self._slot_buffer_len,
+            rows=params.C128A_ROWS.values(
+                global_decode=buffers["global_decode"], decode_lens=buffers["decode_lens"],
+                prefill=buffers["prefill"], decode_stride=self.capacity,
+                prefill_stride=self.capacity, width=width, num_valid_tokens=-1),
+            chunks=params.ROW_CHUNKS.values(cols_per_block=cols_per_block, chunks=chunks,
+                                            row_blocks=row_blocks),
+            num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
 
-    def _run_cpu(self, cm, num_tokens, c128a_tokens, nd, num_decodes, width):
-        kind, positions, slot_mapping, block_table = (self.kind, cm.positions, cm.slot_mapping,
-                                                      cm.block_table_tensor)
-        h = arrays.host_view
-        qsl = h(cm.query_start_loc, kind)[:cm.num_reqs + 1]     # as the GPU path reads it
-        req = h(self.req_id_per_token_buffer, kind)[:num_tokens]
+    def _run_cpu(self, cm, num_tokens, c128a_tokens, num_decode_tokens, width):
+        kind = self.kind
+        host = arrays.host_view
+        qsl = host(cm.query_start_loc, kind)[:cm.num_reqs + 1]     # as the GPU path reads it
+        req = host(self.req_id_per_token_buffer, kind)[:num_tokens]
         cpu.token_to_req_indices(qsl, np.int64(num_tokens), req)
-        table = h(block_table, kind)
+        table = host(cm.block_table_tensor, kind)
         if self.compress_ratio > 1:
-            cpu.compressed_slot_mapping(qsl, h(cm.seq_lens, kind), table,
+            cpu.compressed_slot_mapping(qsl, host(cm.seq_lens, kind), table,
                                         np.int64(self.storage_block_size),
                                         np.int64(self.compress_ratio), np.int64(1), np.int64(0),
-                                        np.int64(1), h(self.compressed_slot_mapping_buffer, kind))
+                                        np.int64(1), host(self.compressed_slot_mapping_buffer, kind))
         if c128a_tokens:
             # The whole table, as on the GPU: the request ids come from the
             # device query_start_loc and may outrun a stale host split.
-            validation.request_ids(req, arrays.NUMPY, nd, table.shape[0])
+            validation.request_ids(req, arrays.NUMPY, num_decode_tokens, table.shape[0])
             cpu.c128a_topk_metadata(
-                h(positions, kind)[:c128a_tokens], np.int64(128), np.int64(nd), req,
-                table, np.int64(self.storage_block_size), h(slot_mapping, kind),
-                np.int64(width), h(self.c128a_global_decode_buffer, kind),
-                h(self.c128a_decode_lens_buffer, kind), h(self.c128a_prefill_buffer, kind))
+                host(cm.positions, kind)[:c128a_tokens], np.int64(128),
+                np.int64(num_decode_tokens), req, table, np.int64(self.storage_block_size),
+                host(cm.slot_mapping, kind), np.int64(width),
+                host(self.c128a_global_decode_buffer, kind),
+                host(self.c128a_decode_lens_buffer, kind), host(self.c128a_prefill_buffer, kind))
 
-    def _result_views(self, num_tokens: int, nd: int, num_prefill: int, width: int):
+    def _result_views(self, num_tokens: int, num_decode_tokens: int, num_prefill_tokens: int,
+                      width: int):
         """Views of the persistent buffers for one step shape, cached: slicing
         costs more host time than the rest of a GPU build."""
-        key = (num_tokens, nd, num_prefill, width)
+        key = (num_tokens, num_decode_tokens, num_prefill_tokens, width)
         views = self._views.get(key)
         if views is None:
-            csm = self.compressed_slot_mapping_buffer
-            gd, lens, pf = (self.c128a_global_decode_buffer, self.c128a_decode_lens_buffer,
-                            self.c128a_prefill_buffer)
+            slots = self.compressed_slot_mapping_buffer
+            decode, lens, prefill = (self.c128a_global_decode_buffer,
+                                     self.c128a_decode_lens_buffer, self.c128a_prefill_buffer)
             views = (self.req_id_per_token_buffer[:num_tokens],
-                     csm[:num_tokens] if csm is not None else None,
-                     gd[:nd, None, :width] if gd is not None else None,
-                     lens[:nd] if lens is not None else None,
-                     pf[:num_prefill, :width] if pf is not None else None)
+                     slots[:num_tokens] if slots is not None else None,
+                     decode[:num_decode_tokens, None, :width] if decode is not None else None,
+                     lens[:num_decode_tokens] if lens is not None else None,
+                     prefill[:num_prefill_tokens, :width] if prefill is not None else None)
             if len(self._views) >= _MAX_CACHED_VIEWS:
                 self._views.clear()
             self._views[key] = views

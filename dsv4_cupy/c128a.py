@@ -1,21 +1,19 @@
 """``build_c128a_topk_metadata``: the C128A (ratio-128) top-k rows and lengths."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from . import arrays, cpu, kernels, params, validation
-from .arrays import INT32, INT64
-from .spec import C128A_TOPK_ALIGNMENT, round_up
+from . import arrays, cpu, families, geometry, params, validation
+from .arrays import INT32
+from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
+from .scalars import check_int
+from .spec import C128A_TOPK_ALIGNMENT, MAX_BLOCK_SIZE, round_up, visible_rows
 
-POSITION_DTYPES = SLOT_DTYPES = (INT32, INT64)
 
-
-@functools.lru_cache(maxsize=None)
-def entry_name(prefix: str, positions_dtype: np.dtype, slot_dtype: np.dtype) -> str:
-    """The kernel entry point for a (positions, slot mapping) dtype pair."""
-    return f"{prefix}_p{positions_dtype.itemsize * 8}_s{slot_dtype.itemsize * 8}"
+def default_width(positions, kind: str, compress_ratio: int) -> int:
+    """The smallest multiple of 128 that holds every row (reads positions: a sync on GPU)."""
+    rows = visible_rows(arrays.host_copy(positions, kind).astype(np.int64), compress_ratio)
+    return max(C128A_TOPK_ALIGNMENT, round_up(int(rows.max(initial=0)), C128A_TOPK_ALIGNMENT))
 
 
 def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int,
@@ -72,22 +70,25 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
         "block_table": block_table, "slot_mapping": slot_mapping,
         "global_decode_buffer": global_decode_buffer, "decode_lens_buffer": decode_lens_buffer,
         "prefill_buffer": prefill_buffer})
-    pos, t2r, table, slots = (ops["positions"], ops["token_to_req_indices"], ops["block_table"],
-                              ops["slot_mapping"])
-    positions_dtype = arrays.check(pos, POSITION_DTYPES, 1)
+    pos, token_to_req, table, slots = (ops["positions"], ops["token_to_req_indices"],
+                                       ops["block_table"], ops["slot_mapping"])
+    positions_dtype = arrays.check(pos, POSITIONS_AXIS[1], 1)
     num_tokens = pos.shape[0]
-    compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1)
-    block_size = arrays.check_int("block_size", block_size, minimum=1, maximum=1 << 30)
-    nd = arrays.check_int("num_decode_tokens", num_decode_tokens, minimum=0, maximum=num_tokens)
-    num_prefill = num_tokens - nd
-    arrays.check(t2r, (INT32,), 1, min_len=nd)
-    arrays.check(table, (INT32,), 2, min_len=1 if nd else None, min_cols=1 if nd else None)
-    slot_dtype = arrays.check(slots, SLOT_DTYPES, 1, min_len=nd)
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
+                               maximum=MAX_BLOCK_SIZE)
+    block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
+    num_decode_tokens = check_int("num_decode_tokens", num_decode_tokens, minimum=0,
+                                  maximum=num_tokens)
+    num_prefill_tokens = num_tokens - num_decode_tokens
+    arrays.check(token_to_req, (INT32,), 1, min_len=num_decode_tokens)
+    arrays.check(table, (INT32,), 2, min_len=1 if num_decode_tokens else None,
+                 min_cols=1 if num_decode_tokens else None)
+    slot_dtype = arrays.check(slots, SLOT_MAPPING_AXIS[1], 1, min_len=num_decode_tokens)
 
     row_buffers = [op for op in (ops["global_decode_buffer"], ops["prefill_buffer"])
                    if op is not None and len(op.shape) == 2]
     if max_compressed_tokens is not None:
-        width = arrays.check_int("max_compressed_tokens", max_compressed_tokens, minimum=0)
+        width = check_int("max_compressed_tokens", max_compressed_tokens, minimum=0)
         for op in row_buffers:
             if width > op.shape[1]:
                 raise ValueError(f"max_compressed_tokens: expected at most the width of {op.name} "
@@ -96,40 +97,49 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     elif row_buffers:
         width = min(op.shape[1] for op in row_buffers)
     else:
-        # Reads positions: a sync on GPU (documented; pass the width to avoid it).
-        rows = validation.visible_rows(positions, kind, num_tokens, compress_ratio, 1 << 31)
-        width = max(C128A_TOPK_ALIGNMENT, round_up(int(rows.max(initial=0)), C128A_TOPK_ALIGNMENT))
+        width = default_width(positions, kind, compress_ratio)
 
-    gd = arrays.output("global_decode_buffer", ops["global_decode_buffer"], kind, device, INT32,
-                       nd, width)
-    lens = arrays.output("decode_lens_buffer", ops["decode_lens_buffer"], kind, device, INT32, nd)
-    pf = arrays.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32, num_prefill,
-                       width)
-    arrays.check_no_alias([gd, lens, pf], [pos, t2r, table, slots])
+    global_decode = arrays.output("global_decode_buffer", ops["global_decode_buffer"], kind,
+                                  device, INT32, num_decode_tokens, width)
+    lens = arrays.output("decode_lens_buffer", ops["decode_lens_buffer"], kind, device, INT32,
+                         num_decode_tokens)
+    prefill = arrays.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32,
+                            num_prefill_tokens, width)
+    arrays.check_no_alias([global_decode, lens, prefill], [pos, token_to_req, table, slots])
     full = validation.check_mode(validate)
     if full:
-        validation.c128a_inputs(positions, token_to_req_indices, block_table, kind, nd,
-                                compress_ratio, width, block_size, num_cache_blocks)
+        validation.c128a_inputs(positions, token_to_req_indices, block_table, kind,
+                                num_decode_tokens, compress_ratio, width, block_size,
+                                num_cache_blocks)
 
     if kind in arrays.GPU_KINDS:
         if num_tokens:
-            per_block, chunks = kernels.row_geometry(num_tokens, width, device)
-            kernels.launch(
-                "c128a.cu", entry_name("c128a_topk_metadata", positions_dtype, slot_dtype), device,
-                num_tokens * chunks,
-                params.C128A, (
-                    pos.ptr, t2r.ptr, table.ptr, slots.ptr, gd.ptr, lens.ptr, pf.ptr, num_tokens,
-                    compress_ratio, nd, table.shape[0], table.shape[1], arrays.row_stride(table),
-                    arrays.row_stride(gd), arrays.row_stride(pf), block_size, width, per_block,
-                    chunks),
-                arrays.launch_stream(kind, device))
+            chunks = geometry.row_chunks(num_tokens, width, device)
+            families.C128A.launch(
+                device, chunks[2], arrays.launch_stream(kind, device), (positions_dtype, slot_dtype),
+                positions=pos.ptr, token_to_req=token_to_req.ptr, slot_mapping=slots.ptr,
+                table=arrays.block_table_group(table),
+                geometry=params.SLOT_GEOMETRY.values(
+                    block_size=block_size, ratio=compress_ratio, cp_world_size=1, cp_rank=0,
+                    cp_interleave=1),
+                rows=params.C128A_ROWS.values(
+                    global_decode=global_decode.ptr, decode_lens=lens.ptr, prefill=prefill.ptr,
+                    decode_stride=arrays.row_stride(global_decode),
+                    prefill_stride=arrays.row_stride(prefill), width=width, num_valid_tokens=-1),
+                chunks=params.ROW_CHUNKS.values(cols_per_block=chunks[0], chunks=chunks[1],
+                                                row_blocks=chunks[2]),
+                num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
     else:
-        h = arrays.host_view
-        host_t2r = h(token_to_req_indices, kind)
+        host = arrays.host_view
+        host_token_to_req = host(token_to_req_indices, kind)
         if not full:                  # the CPU path always checks request ids
-            validation.request_ids(host_t2r, arrays.NUMPY, nd, table.shape[0])
-        cpu.c128a_topk_metadata(h(positions, kind), np.int64(compress_ratio), np.int64(nd),
-                                host_t2r, h(block_table, kind), np.int64(block_size),
-                                h(slot_mapping, kind), np.int64(width), h(gd.array, kind),
-                                h(lens.array, kind), h(pf.array, kind))
-    return gd.array[:nd, :width], lens.array[:nd], pf.array[:num_prefill, :width]
+            validation.request_ids(host_token_to_req, arrays.NUMPY, num_decode_tokens,
+                                   table.shape[0])
+        cpu.c128a_topk_metadata(host(positions, kind), np.int64(compress_ratio),
+                                np.int64(num_decode_tokens), host_token_to_req,
+                                host(block_table, kind), np.int64(block_size),
+                                host(slot_mapping, kind), np.int64(width),
+                                host(global_decode.array, kind), host(lens.array, kind),
+                                host(prefill.array, kind))
+    return (global_decode.array[:num_decode_tokens, :width], lens.array[:num_decode_tokens],
+            prefill.array[:num_prefill_tokens, :width])

@@ -36,7 +36,7 @@ def _pick_backend(device: str):
     if device == "cpu":
         return "numpy", None
     try:
-        from .kernels import require_gpu
+        from .device import require_gpu
         require_gpu()
     except Exception as error:
         if device == "gpu":

@@ -1,10 +1,12 @@
-"""Launch parameters, typed once: the Python side of ``kernels/params.cuh``.
+"""Launch parameters: the Python side of ``kernels/params.cuh``, set by field name.
 
-Each kernel takes one struct by value. ``Params.pack_into`` writes the values
-with the C layout (``struct`` format codes: a Python int that does not fit its
-C type raises instead of being passed as the wrong type) into a buffer that
-``kernels.launch`` hands to ``cuLaunchKernel`` as the kernel's only argument.
-tests/test_params.py checks these layouts against params.cuh.
+Each kernel takes one struct by value. A struct is built from fields and from
+field *groups* (a block table, a query layout, ...) declared once here and once
+in ``params.cuh``. ``Params.pack_into(buffer, **fields)`` takes every field by
+name: a missing or unknown name is a ``TypeError`` and a value that does not
+fit its C type a ``struct.error``, both before anything reaches the GPU. The
+loader compiles ``static_assert``s of every size and offset below into each
+kernel, so a C struct that drifts from its Python twin fails to compile.
 """
 from __future__ import annotations
 
@@ -16,60 +18,95 @@ PTR, I64, I32 = "ptr", "i64", "i32"
 _CODES = {PTR: ("Q", "u8", 8), I64: ("q", "i8", 8), I32: ("i", "i4", 4)}
 
 
-class Params:
-    """A C struct layout: ``fields`` are (name, PTR | I64 | I32), 8-byte ones first."""
+class _Layout:
+    """Fields (name, PTR | I64 | I32 | Group), 8-byte ones first: no inner padding."""
+
+    def __init__(self, c_name: str, fields: list[tuple[str, object]]):
+        self.c_name = c_name
+        self.fields = tuple(fields)
+        self.names = tuple(name for name, _ in fields)
+        sizes = [kind.size if isinstance(kind, Group) else _CODES[kind][2] for _, kind in fields]
+        if sizes != sorted(sizes, key=lambda s: s < 8):
+            raise ValueError(f"{c_name}: put 8-byte fields and groups before 4-byte ones")
+        self.format = "".join(kind.format if isinstance(kind, Group) else _CODES[kind][0]
+                              for _, kind in fields)
+        raw = sum(sizes)
+        self.format += "x" * (-raw % 8)
+        self.dtype = np.dtype([(name, kind.dtype if isinstance(kind, Group) else _CODES[kind][1])
+                               for name, kind in fields], align=True)
+        self.size = self.dtype.itemsize
+        assert self.size == struct.calcsize("<" + self.format), c_name
+
+    def offsets(self) -> list[tuple[str, int]]:
+        return [(name, self.dtype.fields[name][1]) for name in self.names]
+
+    def _function(self, name: str, body: str, namespace: dict):
+        args = ", ".join(self.names)
+        source = f"def {name}({'buffer, ' if 'buffer' in body else ''}*, {args}):\n    {body}\n"
+        exec(source, namespace)          # a fixed signature: checked by Python's own call
+        return namespace[name]
+
+    def _flat(self) -> str:
+        return ", ".join(f"*{name}" if isinstance(kind, Group) else name
+                         for name, kind in self.fields)
+
+
+class Group(_Layout):
+    """A nested struct shared by several kernels' parameters."""
 
     def __init__(self, c_name: str, fields: list[tuple[str, str]]):
-        self.c_name = c_name
-        self.fields = fields
-        self.names = tuple(name for name, _ in fields)
-        sizes = [_CODES[kind][2] for _, kind in fields]
-        if sizes != sorted(sizes, reverse=True):
-            raise ValueError(f"{c_name}: put 8-byte fields before 4-byte ones")
-        size = sum(sizes)
-        padding = -size % 8
-        self._format = "<" + "".join(_CODES[kind][0] for _, kind in fields) + "x" * padding
-        self.dtype = np.dtype([(name, _CODES[kind][1]) for name, kind in fields], align=True)
-        assert self.dtype.itemsize == size + padding == struct.calcsize(self._format)
+        if any(isinstance(kind, Group) for _, kind in fields):
+            raise ValueError(f"{c_name}: groups do not nest")
+        super().__init__(c_name, fields)
+        # values(**fields) -> the group's values in C order, for a Params field.
+        self.values = self._function("values", f"return ({', '.join(self.names)},)", {})
 
-    @property
-    def size(self) -> int:
-        return self.dtype.itemsize
 
-    def pack_into(self, buffer, values: tuple) -> None:
-        """Write the struct for one launch (values in field order; pointers as
-        ints, 0 = null) into ``buffer`` (at least ``size`` bytes)."""
-        struct.pack_into(self._format, buffer, 0, *values)
+class Params(_Layout):
+    """One kernel family's parameter struct."""
 
-    def pack(self, *values) -> np.ndarray:
-        """The struct as a one-element structured array (for tests and inspection)."""
+    def __init__(self, c_name: str, fields: list[tuple[str, object]]):
+        super().__init__(c_name, fields)
+        self.groups = tuple(kind for _, kind in fields if isinstance(kind, Group))
+        self._struct = struct.Struct("<" + self.format)
+        self.pack_into = self._function(
+            "pack_into", f"_pack_into(buffer, 0, {self._flat()})",
+            {"_pack_into": self._struct.pack_into})
+
+    def pack(self, **fields) -> np.ndarray:
+        """The struct as a one-element structured array (tests and inspection)."""
         buffer = bytearray(self.size)
-        self.pack_into(buffer, values)
+        self.pack_into(buffer, **fields)
         return np.frombuffer(bytes(buffer), self.dtype)
 
 
-TOKEN_MAP = Params("TokenMapParams", [("qsl", PTR), ("out", PTR), ("num_tokens", I64),
-                                      ("num_reqs", I32)])
+# --- field groups (params.cuh has the per-field comments) ---------------------------------
+QUERY_LAYOUT = Group("QueryLayout", [
+    ("query_start_loc", PTR), ("seq_lens", PTR), ("num_reqs", I64)])
+BLOCK_TABLE = Group("BlockTable", [
+    ("entries", PTR), ("rows", I64), ("cols", I64), ("row_stride", I64)])
+SLOT_GEOMETRY = Group("SlotGeometry", [
+    ("block_size", I64), ("ratio", I64), ("cp_world_size", I64), ("cp_rank", I64),
+    ("cp_interleave", I64)])
+C128A_ROWS = Group("C128ARows", [
+    ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("decode_stride", I64),
+    ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64)])
+ROW_CHUNKS = Group("RowChunks", [("cols_per_block", I64), ("chunks", I64), ("row_blocks", I64)])
+GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY, C128A_ROWS, ROW_CHUNKS)
 
+# --- one struct per kernel family ---------------------------------------------------------
+TOKEN_MAP = Params("TokenMapParams", [
+    ("query", QUERY_LAYOUT), ("out", PTR), ("num_tokens", I64)])
 SLOT_MAPPING = Params("SlotMappingParams", [
-    ("qsl", PTR), ("seq_lens", PTR), ("block_table", PTR), ("out", PTR), ("bt_cols", I64),
-    ("bt_stride", I64), ("block_size", I64), ("ratio", I64), ("cp_world_size", I64),
-    ("cp_rank", I64), ("cp_interleave", I64), ("out_len", I64), ("num_rows", I32)])
-
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
+    ("token_slots", PTR), ("out", PTR), ("out_len", I64), ("num_tokens", I64)])
 C128A = Params("C128AParams", [
-    ("positions", PTR), ("token_to_req", PTR), ("block_table", PTR), ("slot_mapping", PTR),
-    ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("num_tokens", I64),
-    ("ratio", I64), ("num_decode_tokens", I64), ("bt_rows", I64), ("bt_cols", I64),
-    ("bt_stride", I64), ("gd_stride", I64), ("pf_stride", I64), ("block_size", I32),
-    ("width", I32), ("cols_per_block", I32), ("chunks", I32)])
-
+    ("positions", PTR), ("token_to_req", PTR), ("slot_mapping", PTR), ("table", BLOCK_TABLE),
+    ("geometry", SLOT_GEOMETRY), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS),
+    ("num_tokens", I64), ("num_decode_tokens", I64)])
 BUILD_STEP = Params("BuildStepParams", [
-    ("qsl", PTR), ("seq_lens", PTR), ("block_table", PTR), ("positions", PTR),
-    ("slot_mapping", PTR), ("req_out", PTR), ("csm_out", PTR), ("global_decode", PTR),
-    ("decode_lens", PTR), ("prefill", PTR), ("bt_rows", I64), ("bt_cols", I64),
-    ("bt_stride", I64), ("num_tokens", I64), ("num_decode_tokens", I64), ("ratio", I64),
-    ("block_size", I64), ("cp_world_size", I64), ("cp_rank", I64), ("cp_interleave", I64),
-    ("csm_len", I64), ("row_stride", I64), ("row_blocks", I64), ("num_reqs", I32),
-    ("width", I32), ("cols_per_block", I32), ("chunks", I32)])
-
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
+    ("positions", PTR), ("slot_mapping", PTR), ("req_out", PTR), ("slots_out", PTR),
+    ("slots_len", I64), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS), ("num_tokens", I64),
+    ("num_decode_tokens", I64)])
 ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)

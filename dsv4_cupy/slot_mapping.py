@@ -3,15 +3,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, kernels, params, validation
+from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32, INT64
+from .scalars import check_int
+from .spec import MAX_BLOCK_SIZE
+
+#: Bound of context-parallel world and interleave sizes.
+MAX_CP_SIZE = 1 << 16
 
 
 def check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size) -> tuple[int, int, int]:
-    world = arrays.check_int("cp_world_size", cp_world_size, minimum=1, maximum=1 << 16)
-    rank = arrays.check_int("cp_rank", cp_rank, minimum=0, maximum=world - 1)
-    interleave = arrays.check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size,
-                                  minimum=1, maximum=1 << 16)
+    world = check_int("cp_world_size", cp_world_size, minimum=1, maximum=MAX_CP_SIZE)
+    rank = check_int("cp_rank", cp_rank, minimum=0, maximum=world - 1)
+    interleave = check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size,
+                           minimum=1, maximum=MAX_CP_SIZE)
     return world, rank, interleave
 
 
@@ -57,10 +62,10 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc,
                                           "seq_lens": seq_lens, "block_table": block_table,
                                           "out": out})
-    num_tokens = arrays.check_int("num_tokens", num_tokens, minimum=0)
-    # Bounded so block_size * cp_world_size and the slot products stay inside int64.
-    block_size = arrays.check_int("block_size", block_size, minimum=1, maximum=1 << 30)
-    compress_ratio = arrays.check_int("compress_ratio", compress_ratio, minimum=1, maximum=1 << 30)
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
+                               maximum=MAX_BLOCK_SIZE)
     world, rank, interleave = check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size)
     table, qsl, seq = ops["block_table"], ops["query_start_loc"], ops["seq_lens"]
     arrays.check(table, (INT32,), 2)
@@ -75,17 +80,19 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     out_len = out.shape[0]
     if kind in arrays.GPU_KINDS:
         if out_len:
-            kernels.launch("slot_mapping.cu", "compressed_slot_mapping", device,
-                           kernels.elementwise_blocks(out_len),
-                           params.SLOT_MAPPING, (
-                               qsl.ptr, seq.ptr, table.ptr, out.ptr, table.shape[1],
-                               arrays.row_stride(table), block_size, compress_ratio, world, rank,
-                               interleave, out_len, num_rows),
-                           arrays.launch_stream(kind, device))
+            families.SLOT_MAPPING.launch(
+                device, geometry.elementwise_blocks(out_len), arrays.launch_stream(kind, device),
+                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
+                                                 num_reqs=num_rows),
+                table=arrays.block_table_group(table),
+                geometry=params.SLOT_GEOMETRY.values(
+                    block_size=block_size, ratio=compress_ratio, cp_world_size=world,
+                    cp_rank=rank, cp_interleave=interleave),
+                token_slots=0, out=out.ptr, out_len=out_len, num_tokens=out_len)
     else:
-        h = arrays.host_view
-        cpu.compressed_slot_mapping(h(query_start_loc, kind), h(seq_lens, kind),
-                                    h(block_table, kind), np.int64(block_size),
+        host = arrays.host_view
+        cpu.compressed_slot_mapping(host(query_start_loc, kind), host(seq_lens, kind),
+                                    host(block_table, kind), np.int64(block_size),
                                     np.int64(compress_ratio), np.int64(world), np.int64(rank),
-                                    np.int64(interleave), h(out.array, kind))
+                                    np.int64(interleave), host(out.array, kind))
     return out.array[:num_tokens]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from .arrays import check_int
+from .device import require_gpu
 from .errors import NoGPUError, UnsupportedDeviceError
+from .scalars import check_int
 
 #: FlashMLA decode asserts ``extra_topk % B_TOPK == 0`` with B_TOPK 64 or 128, and
 #: an unaligned width (17 for max_model_len 2136) crashed the sm100 head-64 kernel.
@@ -24,6 +25,8 @@ FP8_DS_MLA_BYTES_PER_TOKEN = NOPE_HEAD_DIM + 2 * ROPE_HEAD_DIM + 8
 PAD_SLOT_ID = -1
 #: DeepSeek-V4 max_position_embeddings.
 MAX_POSITION_EMBEDDINGS = 1 << 20
+#: Upper bound of block sizes and compress ratios: keeps every slot product in int64.
+MAX_BLOCK_SIZE = 1 << 30
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,6 +40,29 @@ def round_up(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
+
+def visible_rows(positions, compress_ratio: int):
+    """Compressed rows a query at ``positions`` sees: ``(p + 1) // compress_ratio``,
+    the division truncating toward zero as the seed's Triton kernel does (so
+    negative positions give 0 or a negative count, never -1 for p = -2).
+
+    Works on ints and on numpy or torch integer arrays alike; the kernels and
+    the numba path hold their own copies of this rule.
+    """
+    q = positions + 1
+    return abs(q) // compress_ratio * ((q >= 0) * 2 - 1)
+
+
+def compressed_row_owner(row, block_size: int, cp_world_size: int, cp_interleave: int):
+    """``(block column, offset inside the block, owning rank)`` of compressed row
+    ``row`` when ``cp_world_size`` ranks share the cache ``cp_interleave`` rows at
+    a time (1, 1: no sharding). Works on ints and integer arrays."""
+    virtual_block = block_size * cp_world_size
+    column = row // virtual_block
+    within = row - column * virtual_block
+    rank = within // cp_interleave % cp_world_size
+    offset = within // (cp_world_size * cp_interleave) * cp_interleave + within % cp_interleave
+    return column, offset, rank
 
 
 
@@ -142,8 +168,7 @@ class DeepseekV4FlashMLABackend:
     @classmethod
     def current_device_capability(cls) -> DeviceCapability:
         """The compute capability of CuPy's current device; raises ``NoGPUError``."""
-        from . import kernels
-        device = kernels.require_gpu()
+        device = require_gpu()
         cc = int(device.compute_capability)
         return DeviceCapability(cc // 10, cc % 10)
 
@@ -177,7 +202,7 @@ def _warn_once(message: str) -> None:
 
 __all__ = [
     "C128A_TOPK_ALIGNMENT", "KV_BLOCK_SIZE", "HEAD_SIZE", "NOPE_HEAD_DIM", "ROPE_HEAD_DIM",
-    "FP8_DS_MLA_BYTES_PER_TOKEN", "PAD_SLOT_ID", "MAX_POSITION_EMBEDDINGS", "cdiv", "round_up",
-    "next_power_of_2", "c128a_capacity", "c128a_active_width", "kv_cache_shape",
+    "FP8_DS_MLA_BYTES_PER_TOKEN", "PAD_SLOT_ID", "MAX_POSITION_EMBEDDINGS", "MAX_BLOCK_SIZE", "cdiv",
+    "round_up", "next_power_of_2", "visible_rows", "compressed_row_owner", "c128a_capacity", "c128a_active_width", "kv_cache_shape",
     "DeviceCapability", "DeepseekV4FlashMLABackend", "NoGPUError",
 ]

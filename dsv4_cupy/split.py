@@ -5,6 +5,7 @@ import numpy as np
 
 from . import arrays
 from .arrays import INT32, INT64
+from .scalars import check_int
 
 
 def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1,
@@ -44,7 +45,7 @@ def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1,
         raise TypeError("query_start_loc: expected a host array (numpy or torch CPU; vLLM's "
                         f"query_start_loc_cpu), got {arrays.describe(query_start_loc)}")
     arrays.check(arrays.probe("query_start_loc", query_start_loc), (INT32, INT64), 1, min_len=1)
-    threshold = arrays.check_int("decode_threshold", decode_threshold, minimum=0)
+    threshold = check_int("decode_threshold", decode_threshold, minimum=0)
     qsl = arrays.host_view(query_start_loc, kind)
     return split_host(qsl, threshold, bool(require_uniform), num_actual_tokens, max_query_len)
 
@@ -55,7 +56,7 @@ def split_host(qsl: np.ndarray, threshold: int, require_uniform: bool,
     num_reqs = qsl.shape[0] - 1
     if num_reqs == 0:
         return 0, 0, 0, 0
-    total = int(qsl[-1]) if num_actual_tokens is None else arrays.check_int(
+    total = int(qsl[-1]) if num_actual_tokens is None else check_int(
         "num_actual_tokens", num_actual_tokens, minimum=0)
     query_lens = None
     if max_query_len is None:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, kernels, params, validation
+from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
+from .scalars import check_int
 
 
 def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate: str = "default"):
@@ -33,7 +34,7 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
     kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc, "out": out})
     qsl = ops["query_start_loc"]
     arrays.check(qsl, (INT32,), 1, min_len=1)
-    num_tokens = arrays.check_int("num_tokens", num_tokens, minimum=0)
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     out = arrays.output("out", ops["out"], kind, device, INT32, num_tokens)
     arrays.check_no_alias([out], [qsl])
     full = validation.check_mode(validate)
@@ -41,10 +42,11 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
         validation.query_layout(query_start_loc, None, kind, 0)
     if kind in arrays.GPU_KINDS:
         if num_tokens:
-            kernels.launch("token_map.cu", "token_to_req_indices", device,
-                           kernels.elementwise_blocks(num_tokens),
-                           params.TOKEN_MAP, (qsl.ptr, out.ptr, num_tokens, qsl.shape[0] - 1),
-                           arrays.launch_stream(kind, device))
+            families.TOKEN_MAP.launch(
+                device, geometry.elementwise_blocks(num_tokens), arrays.launch_stream(kind, device),
+                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=0,
+                                                 num_reqs=qsl.shape[0] - 1),
+                out=out.ptr, num_tokens=num_tokens)
     else:
         cpu.token_to_req_indices(arrays.host_view(query_start_loc, kind), np.int64(num_tokens),
                                  arrays.host_view(out.array, kind))

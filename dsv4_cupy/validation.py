@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays
+from . import arrays, spec
 
 MODES = ("default", "full")
 
@@ -22,16 +22,10 @@ def check_mode(validate: str) -> bool:
     return validate == "full"
 
 
-def host_copy(x, kind: str) -> np.ndarray:
-    if kind in arrays.GPU_KINDS:
-        return x.get() if kind == arrays.CUPY else x.cpu().numpy()
-    return arrays.host_view(x, kind)
-
-
 def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None = None) -> None:
     """qsl starts at 0 and never decreases; ``seq_len >= query_len`` for each of
     ``num_rows`` requests; ``num_tokens`` (if given) covers every mapped token."""
-    q = host_copy(qsl, kind).astype(np.int64)
+    q = arrays.host_copy(qsl, kind).astype(np.int64)
     if q.shape[0] and q[0] != 0:
         raise ValueError(f"query_start_loc: expected to start at 0, got {int(q[0])}")
     steps = np.diff(q)
@@ -43,7 +37,7 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
         raise ValueError(f"num_tokens: expected at least query_start_loc[-1] ({int(q[-1])}), "
                          f"got {num_tokens}")
     if seq_lens is not None and num_rows:
-        seq = host_copy(seq_lens, kind)[:num_rows].astype(np.int64)
+        seq = arrays.host_copy(seq_lens, kind)[:num_rows].astype(np.int64)
         short = seq < steps[:num_rows]
         if short.any():
             b = int(np.flatnonzero(short)[0])
@@ -51,8 +45,18 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
                              f"< query_len {int(steps[b])} for request {b}")
 
 
+def token_requests(qsl: np.ndarray, count: int) -> np.ndarray:
+    """The request of each of the first ``count`` tokens (padding: 0), from a host
+    ``query_start_loc``; the token-map rule, for checking what the kernels will read."""
+    num_reqs = qsl.shape[0] - 1
+    tokens = np.arange(count)
+    ids = np.searchsorted(qsl[1:].astype(np.int64), tokens, side="right")
+    mapped = tokens < (qsl[num_reqs] if num_reqs > 0 else 0)
+    return np.where(mapped, np.minimum(ids, max(num_reqs - 1, 0)), 0).astype(np.int32)
+
+
 def request_ids(token_to_req, kind: str, count: int, num_rows: int) -> np.ndarray:
-    ids = host_copy(token_to_req, kind)[:count]
+    ids = arrays.host_copy(token_to_req, kind)[:count]
     if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
         bad = int(np.flatnonzero((ids < 0) | (ids >= num_rows))[0])
         raise ValueError(f"token_to_req_indices: expected request ids in [0, {num_rows}) "
@@ -64,7 +68,7 @@ def block_columns(block_table, kind: str, rows: np.ndarray, visible: np.ndarray,
                   block_size: int, num_cache_blocks: int | None, what: str) -> None:
     """Every block a lookup will use lies inside its table row and, when the
     cache size is known, inside the cache."""
-    table = host_copy(block_table, kind)
+    table = arrays.host_copy(block_table, kind)
     needed = np.where(visible > 0, (visible - 1) // block_size + 1, 0)
     wide = needed > table.shape[1]
     if wide.any():
@@ -94,9 +98,8 @@ def decodes_first(qsl_cpu: np.ndarray, threshold: int) -> None:
 
 
 def visible_rows(positions, kind: str, count: int, ratio: int, width: int) -> np.ndarray:
-    p = host_copy(positions, kind)[:count].astype(np.int64) + 1
-    n = np.where(p < 0, -(-p // ratio), p // ratio)
-    return np.clip(n, 0, width)
+    rows = spec.visible_rows(arrays.host_copy(positions, kind)[:count].astype(np.int64), ratio)
+    return np.clip(rows, 0, width)
 
 
 def slot_mapping_inputs(qsl, seq_lens, block_table, kind: str, block_size: int, ratio: int,
@@ -109,8 +112,8 @@ def slot_mapping_inputs(qsl, seq_lens, block_table, kind: str, block_size: int, 
     query_layout(qsl, seq_lens, kind, rows, num_tokens)
     if not rows:
         return
-    q = host_copy(qsl, kind)[:rows + 1].astype(np.int64)
-    seq = host_copy(seq_lens, kind)[:rows].astype(np.int64)
+    q = arrays.host_copy(qsl, kind)[:rows + 1].astype(np.int64)
+    seq = arrays.host_copy(seq_lens, kind)[:rows].astype(np.int64)
     first = np.maximum(seq - np.diff(q), 0)
     closed_after = seq // ratio                 # groups closed by positions < seq
     closed_before = first // ratio              # groups closed by positions < first

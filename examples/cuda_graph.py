@@ -14,7 +14,7 @@ Run:  python examples/cuda_graph.py
 import numpy as np
 
 import dsv4_cupy as d4
-from dsv4_cupy.kernels import require_gpu
+from dsv4_cupy.device import require_gpu
 from numpy_pipeline import (DEVICE_FIELDS, assert_same_metadata, make_builder, make_step,
                             move_step)
 

@@ -10,7 +10,7 @@ Run:  python examples/cupy_pipeline.py
 import numpy as np
 
 import dsv4_cupy as d4
-from dsv4_cupy.kernels import require_gpu
+from dsv4_cupy.device import require_gpu
 from numpy_pipeline import (FIELDS, MAX_MODEL_LEN, RATIO, SPEC_TOKENS, STORAGE_BLOCK,
                             assert_same_metadata, make_builder, make_step, move_step)
 

@@ -11,7 +11,7 @@ Run:  python examples/torch_dlpack.py
 import torch
 
 import dsv4_cupy as d4
-from dsv4_cupy.kernels import require_gpu
+from dsv4_cupy.device import require_gpu
 from numpy_pipeline import assert_same_metadata, make_builder, make_step, move_step
 
 

@@ -1,81 +1,90 @@
 // Launch parameters: one struct per kernel family, passed by value as the
 // kernel's only argument (one argument costs the host far less than twenty).
-// dsv4_cupy/params.py declares the same layouts; tests/test_params.py checks
-// that the two agree field by field. Fields go 8-byte first, then 4-byte, so
-// the only padding is at the end.
+// Structs are built from shared field groups. dsv4_cupy/params.py declares the
+// same layouts; the loader compiles static_asserts of their sizes and offsets
+// into every kernel, so the two cannot drift apart. Every field is 8 bytes.
 #pragma once
 
+typedef long long i64;
+
+// --- field groups ---------------------------------------------------------------------------
+struct QueryLayout {
+    const int* query_start_loc;  // [num_reqs + 1] int32, cumulative query lengths
+    const int* seq_lens;         // [num_reqs] int32, context incl. this step (null if unused)
+    i64 num_reqs;
+};
+
+struct BlockTable {              // one KV-cache group's block table
+    const int* entries;          // [rows, row_stride] int32, rows contiguous
+    i64 rows;
+    i64 cols;                    // entries of a row that may be read
+    i64 row_stride;              // elements between rows (>= cols)
+};
+
+struct SlotGeometry {            // where compressed rows live
+    i64 block_size;              // storage rows per cache block (256 / ratio)
+    i64 ratio;                   // compress ratio (4, 128)
+    i64 cp_world_size;           // context-parallel ranks sharing the compressed rows
+    i64 cp_rank;
+    i64 cp_interleave;           // consecutive rows per rank (cp_kv_cache_interleave_size)
+};
+
+struct C128ARows {               // C128A top-k rows, row stride fixed by the buffers
+    int* global_decode;          // [num_decode_tokens, decode_stride] int32
+    int* decode_lens;            // [num_decode_tokens] int32
+    int* prefill;                // [num_tokens - num_decode_tokens, prefill_stride] int32
+    i64 decode_stride;
+    i64 prefill_stride;
+    i64 width;                   // columns written per row (<= both strides)
+    i64 num_valid_tokens;        // under DCP: tokens t < this are real (-1: use slot_mapping)
+};
+
+struct RowChunks {               // long rows split over several blocks
+    i64 cols_per_block;          // a multiple of 4, so 16-byte stores stay aligned
+    i64 chunks;                  // blocks per row
+    i64 row_blocks;              // blocks given to rows (rows * chunks)
+};
+
+// --- one struct per kernel family -------------------------------------------------------------
 struct TokenMapParams {
-    const int* qsl;
-    int* out;
-    long long num_tokens;
-    int num_reqs;
+    QueryLayout query;
+    int* out;                    // [num_tokens] int32
+    i64 num_tokens;
 };
 
 struct SlotMappingParams {
-    const int* qsl;
-    const int* seq_lens;
-    const int* block_table;
-    long long* out;
-    long long bt_cols;
-    long long bt_stride;
-    long long block_size;
-    long long ratio;
-    long long cp_world_size;
-    long long cp_rank;
-    long long cp_interleave;
-    long long out_len;
-    int num_rows;
+    QueryLayout query;
+    BlockTable table;
+    SlotGeometry geometry;
+    const long long* token_slots;  // [num_tokens] int64 tokens' own slots, or null
+    long long* out;              // [out_len] int64, all of it written
+    i64 out_len;
+    i64 num_tokens;              // tokens that may get a slot (the rest of out is -1)
 };
 
 struct C128AParams {
-    const void* positions;      // int or long long (entry point suffix p32/p64)
-    const int* token_to_req;
-    const int* block_table;
-    const void* slot_mapping;   // int or long long (entry point suffix s32/s64)
-    int* global_decode;
-    int* decode_lens;
-    int* prefill;
-    long long num_tokens;
-    long long ratio;
-    long long num_decode_tokens;
-    long long bt_rows;
-    long long bt_cols;
-    long long bt_stride;
-    long long gd_stride;
-    long long pf_stride;
-    int block_size;
-    int width;
-    int cols_per_block;
-    int chunks;
+    const void* positions;       // [num_tokens] int32 or int64 (entry suffix p32/p64)
+    const int* token_to_req;     // [num_decode_tokens] int32
+    const void* slot_mapping;    // [num_decode_tokens] int32 or int64 (s32/s64)
+    BlockTable table;
+    SlotGeometry geometry;
+    C128ARows rows;
+    RowChunks chunks;
+    i64 num_tokens;
+    i64 num_decode_tokens;
 };
 
 struct BuildStepParams {
-    const int* qsl;
-    const int* seq_lens;
-    const int* block_table;
-    const void* positions;      // int or long long (p32/p64)
-    const void* slot_mapping;   // int or long long (s32/s64)
-    int* req_out;
-    long long* csm_out;         // null when compress_ratio is 1
-    int* global_decode;         // the three C128A buffers: null unless ratio 128
-    int* decode_lens;
-    int* prefill;
-    long long bt_rows;
-    long long bt_cols;
-    long long bt_stride;
-    long long num_tokens;
-    long long num_decode_tokens;
-    long long ratio;
-    long long block_size;       // storage block size
-    long long cp_world_size;
-    long long cp_rank;
-    long long cp_interleave;
-    long long csm_len;
-    long long row_stride;       // of the C128A buffers (their capacity)
-    long long row_blocks;
-    int num_reqs;
-    int width;
-    int cols_per_block;
-    int chunks;
+    QueryLayout query;
+    BlockTable table;
+    SlotGeometry geometry;
+    const void* positions;       // [num_tokens] int32 or int64 (p32/p64)
+    const void* slot_mapping;    // [num_tokens] int32 or int64 (s32/s64)
+    int* req_out;                // [num_tokens] int32
+    long long* slots_out;        // [slots_len] int64 compressed slots; null for ratio 1
+    i64 slots_len;
+    C128ARows rows;              // null pointers unless ratio 128
+    RowChunks chunks;
+    i64 num_tokens;
+    i64 num_decode_tokens;
 };

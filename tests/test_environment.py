@@ -9,13 +9,13 @@ import pytest
 
 import dsv4_cupy as d4
 from conftest import HAS_GPU
-from dsv4_cupy import errors, kernels, spec
+from dsv4_cupy import device, errors, spec
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error")
 def test_no_gpu_is_a_typed_error():
     with pytest.raises(errors.NoGPUError, match="no usable CUDA device"):
-        kernels.require_gpu()
+        device.require_gpu()
     with pytest.raises(errors.NoGPUError):
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, like="cupy")
     with pytest.raises(errors.NoGPUError):
@@ -63,5 +63,5 @@ def test_demo_runs_on_this_machine():
 
 
 def test_cpu_warmup_covers_every_dtype():
-    done = kernels.warmup(gpu=False, cpu=True)
+    done = d4.warmup(gpu=False, cpu=True)
     assert len(done["cpu"]) == 6 and done["gpu"] == []

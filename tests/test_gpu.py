@@ -202,9 +202,9 @@ def test_torch_side_stream_is_followed():
 
 
 def test_warmup_compiles_every_entry_point():
-    from dsv4_cupy import kernels
+    from dsv4_cupy import families
     done = d4.warmup()
-    expected_names = {f"{f}:{n}" for f in kernels.kernel_files() for n in kernels.entry_points(f)}
+    expected_names = {f"{f.file}:{n}" for f in families.ALL for n in f.entry_points()}
     assert set(done["gpu"]) == expected_names
     assert len(expected_names) == 10
 

@@ -1,19 +1,22 @@
-"""The launch-parameter structs: dsv4_cupy/params.py must match kernels/params.cuh."""
+"""The launch-parameter structs: fields by name, and the C structs checked
+against dsv4_cupy/params.py by the compiler."""
 from __future__ import annotations
 
 import re
+import struct
 
 import numpy as np
 import pytest
 
-from dsv4_cupy import kernels, params
+from dsv4_cupy import families, loader, params
 
-C_TYPES = {"ptr": {"const int*", "int*", "long long*", "const void*"},
-           "i64": {"long long"}, "i32": {"int"}}
+C_TYPES = {params.PTR: {"const int*", "int*", "long long*", "const long long*", "const void*"},
+           params.I64: {"i64", "long long"}, params.I32: {"int"}}
 
 
 def c_structs() -> dict:
-    text = (kernels.kernel_dir() / "params.cuh").read_text()
+    """{struct name: [(field, C type)]} parsed from kernels/params.cuh."""
+    text = (loader.kernel_dir() / "params.cuh").read_text()
     structs = {}
     for name, body in re.findall(r"struct (\w+) \{(.*?)\};", text, re.S):
         fields = re.findall(r"^\s*([\w\s\*]+?)\s*(\w+);", body, re.M)
@@ -21,31 +24,78 @@ def c_structs() -> dict:
     return structs
 
 
-@pytest.mark.parametrize("layout", params.ALL, ids=lambda p: p.c_name)
-def test_layout_matches_the_c_struct(layout):
+@pytest.mark.parametrize("layout", params.ALL + params.GROUPS, ids=lambda p: p.c_name)
+def test_python_layout_matches_the_c_struct_field_by_field(layout):
     c_fields = c_structs()[layout.c_name]
     assert [name for name, _ in c_fields] == list(layout.names)
     for (name, ctype), (_, kind) in zip(c_fields, layout.fields):
-        assert ctype in C_TYPES[kind], f"{layout.c_name}.{name}: {ctype} is not {kind}"
+        if isinstance(kind, params.Group):
+            assert ctype == kind.c_name, f"{layout.c_name}.{name}: {ctype} is not {kind.c_name}"
+        else:
+            assert ctype in C_TYPES[kind], f"{layout.c_name}.{name}: {ctype} is not {kind}"
 
 
-def test_every_c_struct_has_a_layout():
-    assert set(c_structs()) == {layout.c_name for layout in params.ALL}
+def test_every_c_struct_has_a_python_layout():
+    assert set(c_structs()) == {layout.c_name for layout in params.ALL + params.GROUPS}
+
+GEOMETRY = dict(block_size=2, ratio=128, cp_world_size=1, cp_rank=0, cp_interleave=1)
 
 
-def test_pack_round_trip():
-    packed = params.C128A.pack(*range(1, len(params.C128A.names) + 1))
-    assert packed.shape == (1,) and packed.dtype.itemsize % 8 == 0
-    assert [int(packed[0][n]) for n in params.C128A.names] == list(range(1, 20))
-    assert params.C128A.dtype.itemsize == 7 * 8 + 8 * 8 + 4 * 4
+def token_map_fields(**changes):
+    fields = dict(query=params.QUERY_LAYOUT.values(query_start_loc=16, seq_lens=0, num_reqs=3),
+                  out=32, num_tokens=5)
+    fields.update(changes)
+    return fields
 
 
-def test_layout_rejects_misordered_fields():
+def test_fields_are_set_by_name_and_land_at_their_offsets():
+    packed = params.TOKEN_MAP.pack(**token_map_fields())
+    assert packed["query"]["query_start_loc"][0] == 16 and packed["query"]["num_reqs"][0] == 3
+    assert packed["out"][0] == 32 and packed["num_tokens"][0] == 5
+    assert params.TOKEN_MAP.size == 5 * 8
+
+
+def test_a_missing_or_unknown_field_is_an_error_not_garbage():
+    with pytest.raises(TypeError, match="num_tokens"):
+        params.TOKEN_MAP.pack(query=(0, 0, 1), out=0)
+    with pytest.raises(TypeError, match="num_token"):
+        params.TOKEN_MAP.pack(**token_map_fields(num_token=5))
+    with pytest.raises(TypeError, match="rank"):
+        params.SLOT_GEOMETRY.values(block_size=2, ratio=4, cp_world_size=1, cp_interleave=1)
+
+
+def test_a_group_of_the_wrong_size_or_a_value_too_large_is_refused():
+    with pytest.raises(struct.error):
+        params.TOKEN_MAP.pack(**token_map_fields(query=(0, 0)))
+    with pytest.raises(struct.error):
+        params.TOKEN_MAP.pack(**token_map_fields(num_tokens=1 << 63))
+
+
+def test_layouts_put_8_byte_fields_first():
     with pytest.raises(ValueError, match="8-byte fields"):
         params.Params("Bad", [("a", params.I32), ("b", params.PTR)])
+    with pytest.raises(ValueError, match="do not nest"):
+        params.Group("Bad", [("inner", params.QUERY_LAYOUT)])
 
 
-def test_pack_refuses_values_out_of_range():
-    with pytest.raises(Exception):
-        params.TOKEN_MAP.pack(0, 0, 1, 1 << 40)      # num_reqs is a C int
-    assert np.frombuffer(params.TOKEN_MAP.pack(0, 0, 5, 3).tobytes()[16:24], np.int64)[0] == 5
+@pytest.mark.parametrize("family", families.ALL, ids=lambda f: f.function)
+def test_every_struct_size_is_asserted_in_the_compiled_source(family):
+    text = loader.source(family)
+    for layout in (*family.params.groups, family.params):
+        assert f"static_assert(sizeof({layout.c_name}) == {layout.size}," in text
+
+
+def test_a_c_struct_of_another_size_fails_to_compile():
+    pytest.importorskip("cupy")
+    from dsv4_cupy import errors
+    drifted = params.Params("TokenMapParams", [("query", params.QUERY_LAYOUT), ("out", params.PTR)])
+    family = loader.KernelFamily("token_map.cu", "token_to_req_indices", drifted)
+    with pytest.raises(errors.KernelCompileError, match="size differs from dsv4_cupy/params.py"):
+        loader.compile_for(family, "sm_90")
+
+
+def test_the_structured_view_matches_numpy_alignment():
+    for layout in params.ALL + params.GROUPS:
+        assert layout.size % 8 == 0
+        assert layout.dtype.itemsize == layout.size
+    assert np.dtype(params.C128A.dtype).names[:3] == ("positions", "token_to_req", "slot_mapping")

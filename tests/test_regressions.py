@@ -202,12 +202,12 @@ def test_bug06_no_compile_on_the_serving_path_cpu(monkeypatch):
 @pytest.mark.gpu
 def test_bug06_no_compile_on_the_serving_path_gpu(monkeypatch):
     """After warmup() no call reaches the compiler: the loader is replaced by one that fails."""
-    from dsv4_cupy import kernels
+    from dsv4_cupy import loader
     d4.warmup()
 
-    def refuse(file):
-        raise AssertionError(f"compiled {file} on the serving path")
-    monkeypatch.setattr(kernels, "_load_module", refuse)
+    def refuse(family):
+        raise AssertionError(f"compiled {family} on the serving path")
+    monkeypatch.setattr(loader, "_load_module", refuse)
     for kind in GPU_KINDS:
         batch = make_batch([1, 2, 40], [100, 5000, 0], threshold=2)
         make_builder(kind, 128, 1 << 16, spec=1).build(0, common_metadata(batch, kind))

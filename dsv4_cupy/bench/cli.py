@@ -299,7 +299,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, meta = [], {}
     if not args.cpu_only:
-        from ..kernels import require_gpu
+        from ..device import require_gpu
         require_gpu()
         gpu, meta = gpu_rows(args.quick, not args.no_progress)
         rows += gpu

@@ -1,0 +1,22 @@
+"""Every kernel family, declared once: its ``.cu`` file, templated function,
+parameter struct and dtype variants. Ops and the builder launch through these
+by field name; ``warmup()`` and ``python -m dsv4_cupy compile`` walk ``ALL``."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import params
+from .loader import KernelFamily
+
+INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
+#: Axes of the families templated on the positions and slot-mapping dtypes.
+POSITIONS_AXIS = ("p", (INT32, INT64))
+SLOT_MAPPING_AXIS = ("s", (INT32, INT64))
+
+TOKEN_MAP = KernelFamily("token_map.cu", "token_to_req_indices", params.TOKEN_MAP)
+SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params.SLOT_MAPPING)
+C128A = KernelFamily("c128a.cu", "c128a_topk_metadata", params.C128A,
+                     (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
+BUILD_STEP = KernelFamily("build_step.cu", "build_step", params.BUILD_STEP,
+                          (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
+ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)

@@ -1,0 +1,255 @@
+"""The one place that compiles, loads and launches CUDA kernels.
+
+* A kernel family (``KernelFamily``: its ``.cu`` file, its templated device
+  function, its parameter struct and its dtype variants) is declared once, in
+  ``families.py``. Its entry points are generated here from the declaration,
+  so the naming rule ``function_p32_s64`` lives in ``KernelFamily.entry_name``
+  alone, and no source is parsed to find them.
+* The ``.cu`` files are read from the installed package (``dsv4_cupy/kernels_cu``)
+  or, in a source checkout, from the top-level ``kernels/`` folder. Local
+  ``#include "x.cuh"`` lines are inlined under ``#line`` marks, so compiler
+  messages point at the real file, and ``static_assert``s of the parameter
+  structs' sizes and offsets (from ``params.py``) are appended.
+* The constants that Python and CUDA share (threads per block, the "no slot"
+  sentinel) and a hash of every kernel source are passed as ``-D`` options:
+  CuPy's disk cache key ignores included files, so a stale cubin is never reused.
+* Modules are compiled once per device (``cupy.memoize``) and cached on disk by
+  CuPy (``CUPY_CACHE_DIR``); ``warmup()`` does the first use before serving.
+* ``compile_for(family, arch)`` builds a cubin for any arch without a GPU
+  (NVRTC from PyPI), for CI and ``python -m dsv4_cupy compile``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import device as devices
+from .errors import KernelCompileError
+from .geometry import THREADS
+from .params import Params
+from .spec import PAD_SLOT_ID
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+#: Options beyond CuPy's own (which adds -arch, -ftz, its include paths).
+BASE_OPTIONS = ("-std=c++17",)
+DEFAULT_ARCHS = ("sm_90", "sm_100")
+#: The constants kernels share with Python, one definition each.
+DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID}
+_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+
+class KernelFamily:
+    """One ``.cu`` file's kernels: ``dsv4::function`` templated over the dtypes of
+    ``axes`` (``(letter, dtypes)`` pairs), taking one ``params`` struct.
+
+    Entry points are ``function`` followed by ``_<letter><bits>`` per axis, one
+    for each combination of dtypes.
+    """
+
+    def __init__(self, file: str, function: str, params: Params, axes: tuple = ()):
+        self.file, self.function, self.params, self.axes = file, function, params, axes
+        self.variants = tuple(itertools.product(*(dtypes for _, dtypes in axes)))
+        self._names = {variant: self.entry_name(variant) for variant in self.variants}
+
+    def entry_name(self, variant: tuple) -> str:
+        """The entry point for one tuple of dtypes (one per axis)."""
+        return self.function + "".join(f"_{letter}{np.dtype(dtype).itemsize * 8}"
+                                       for (letter, _), dtype in zip(self.axes, variant))
+
+    def entry_points(self) -> list[str]:
+        return [self._names[variant] for variant in self.variants]
+
+    def stubs(self) -> str:
+        """The extern "C" entry points, generated from the declaration."""
+        lines = []
+        for variant in self.variants:
+            targs = f"<{', '.join(_C_TYPES[np.dtype(d)] for d in variant)}>" if variant else ""
+            lines.append(f'extern "C" __global__ void __launch_bounds__(DSV4_THREADS) '
+                         f"{self._names[variant]}(const {self.params.c_name} p) "
+                         f"{{ dsv4::{self.function}{targs}(p); }}")
+        return "\n".join(lines) + "\n"
+
+    def launch(self, device: int, blocks: int, stream: int, variant: tuple = (), **fields):
+        """Launch on ``device`` (THREADS per block) on the stream handle ``stream``,
+        with the struct's fields by name."""
+        launch(self, self._names[variant], device, blocks, stream, fields)
+
+    def __repr__(self) -> str:
+        return f"KernelFamily({self.file!r}, {self.function!r})"
+
+
+def kernel_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels"):
+        if any(candidate.glob("*.cu")):
+            return candidate
+    raise FileNotFoundError(f"no kernel sources found next to {here}")
+
+
+def kernel_files() -> list[str]:
+    return sorted(p.name for p in kernel_dir().glob("*.cu"))
+
+
+@functools.lru_cache(maxsize=None)
+def file_source(file: str) -> str:
+    """The text of ``kernels/<file>`` with includes inlined once and #line marks."""
+    directory = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        path = directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"kernels/{name} not found (included from kernels/{file})")
+        text = path.read_text()
+        out, last = [f'#line 1 "kernels/{name}"\n'], 0
+        for match in _INCLUDE.finditer(text):
+            out.append(text[last:match.start()])
+            header = match.group(1)
+            if header not in seen:
+                seen.add(header)
+                out.append(expand(header))
+            line = text.count("\n", 0, match.end()) + 2
+            out.append(f'\n#line {line} "kernels/{name}"')
+            last = match.end()
+        out.append(text[last:])
+        return "".join(out)
+
+    return expand(file)
+
+
+def layout_asserts(params: Params) -> str:
+    """static_asserts that the C structs have the sizes of ``params`` and its groups
+    (NVRTC has no offsetof: tests/test_params.py compares the fields one by one)."""
+    return "".join(f'static_assert(sizeof({layout.c_name}) == {layout.size}, '
+                   f'"{layout.c_name}: size differs from dsv4_cupy/params.py");\n'
+                   for layout in (*params.groups, params))
+
+
+def source(family: KernelFamily) -> str:
+    """The compilable text of a family: its file, the layout checks, its entry points."""
+    return (file_source(family.file) + f'\n#line 1 "generated by dsv4_cupy/loader.py"\n'
+            + layout_asserts(family.params) + family.stubs())
+
+
+@functools.lru_cache(maxsize=None)
+def sources_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(kernel_dir().iterdir()):
+        if path.suffix in (".cu", ".cuh"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def options() -> tuple[str, ...]:
+    defines = tuple(f"-D{name}={value}" for name, value in DEVICE_CONSTANTS.items())
+    return BASE_OPTIONS + defines + (f"-DDSV4_KERNELS_HASH=0x{sources_hash()}",)
+
+
+_load_module = None
+
+
+def _module_loader():
+    """``load(family) -> RawModule``, memoized per device by CuPy (built on first
+    use, so ``import dsv4_cupy`` needs no cupy)."""
+    global _load_module
+    if _load_module is None:
+        cupy = devices.cupy_module()
+
+        @cupy.memoize(for_each_device=True)
+        def load(family: KernelFamily):
+            devices.nvrtc_version()
+            opts = options()
+            module = cupy.RawModule(code=source(family), options=opts)
+            try:
+                module.compile()
+            except cupy.cuda.compiler.CompileException as error:
+                cc = cupy.cuda.Device().compute_capability
+                raise KernelCompileError(family.file, f"sm_{cc}", opts, str(error)) from None
+            return module
+
+        _load_module = load
+    return _load_module
+
+
+_FUNCTIONS: dict = {}
+
+
+def get(family: KernelFamily, entry: str, device: int):
+    """The compiled entry point ``entry`` of ``family``; ``device`` must be current."""
+    key = (device, entry)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        # The bare Function of this device: calling it skips RawKernel's
+        # per-call lookups (a few microseconds on every launch).
+        function = _FUNCTIONS[key] = _module_loader()(family).get_function(entry).kernel
+    return function
+
+
+def compile_for(family: KernelFamily, arch: str) -> bytes:
+    """A cubin of ``family`` for ``arch`` (e.g. ``"sm_100"``), no GPU needed.
+
+    Uses NVRTC through CuPy with the same options as the run-time path plus the
+    ones CuPy adds itself (``-ftz=true``, ``--device-as-default-execution-space``).
+    """
+    if not re.fullmatch(r"sm_\d+[af]?", arch):
+        raise ValueError(f"arch: expected a name like 'sm_90' or 'sm_100a', got {arch!r}")
+    devices.nvrtc_version()
+    nvrtc = devices.cupy_module().cuda.nvrtc
+    opts = options() + ("-ftz=true", "--device-as-default-execution-space", f"-arch={arch}")
+    program = nvrtc.createProgram(source(family), f"kernels/{family.file}", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, list(opts))
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(family.file, arch, opts,
+                                     nvrtc.getProgramLog(program)) from None
+        return nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+class _LaunchBuffers(threading.local):
+    """Per-thread parameter buffers at fixed addresses: cuLaunchKernel copies the
+    parameters during the call, so one buffer per struct can serve every launch."""
+
+    def __init__(self):
+        self.by_params: dict = {}
+        self.bound_devices: set = set()   # devices whose context this thread has made current
+
+    def get(self, params: Params) -> tuple:
+        found = self.by_params.get(params)
+        if found is None:
+            storage = np.zeros(params.size, np.uint8)
+            pointers = np.array([storage.ctypes.data], np.uint64)   # void* kernelParams[1]
+            found = self.by_params[params] = (storage, pointers, pointers.ctypes.data)
+        return found
+
+
+_BUFFERS = _LaunchBuffers()
+
+
+def launch(family: KernelFamily, entry: str, device: int, blocks: int, stream: int,
+           fields: dict) -> None:
+    """Launch ``entry`` of ``family`` straight through ``cuLaunchKernel``: CuPy's
+    generic argument handling costs several microseconds per launch, and the
+    struct is typed by ``params``."""
+    cupy = devices.cupy_module()
+    if cupy.cuda.runtime.getDevice() != device:
+        with cupy.cuda.Device(device):
+            return launch(family, entry, device, blocks, stream, fields)
+    if device not in _BUFFERS.bound_devices:
+        # cuLaunchKernel needs the device's context current on this thread;
+        # cudaSetDevice makes it so (a new thread may not have it yet).
+        cupy.cuda.runtime.setDevice(device)
+        _BUFFERS.bound_devices.add(device)
+    function = get(family, entry, device)
+    storage, _, kernel_params = _BUFFERS.get(family.params)
+    family.params.pack_into(storage, **fields)
+    cupy.cuda.driver.launchKernel(function.ptr, blocks, 1, 1, THREADS, 1, 1, 0, stream,
+                                  kernel_params, 0)

@@ -1,0 +1,29 @@
+"""Checks of scalar arguments: one place, so every op words its errors alike."""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int in ``[minimum, maximum]``; bools and floats are refused."""
+    if type(value) is not int:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected an int, got bool")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__} "
+                            f"{value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple):
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value
