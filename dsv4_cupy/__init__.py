@@ -8,6 +8,7 @@ caller's stream. Results are of the same kind as the inputs.
 from .arrays import to_torch
 from .builder import DeepseekV4MetadataBuilder
 from .c128a import build_c128a_topk_metadata
+from .dcp import get_dcp_local_seq_lens
 from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
                      UnsupportedDeviceError)
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "token_to_req_indices", "split_decodes_and_prefills", "get_compressed_slot_mapping",
-    "build_c128a_topk_metadata", "CommonAttentionMetadata", "DeepseekV4Metadata",
+    "build_c128a_topk_metadata", "get_dcp_local_seq_lens", "CommonAttentionMetadata", "DeepseekV4Metadata",
     "DeepseekV4MetadataBuilder", "DeepseekV4FlashMLABackend", "c128a_capacity",
     "c128a_active_width", "kv_cache_shape", "warmup", "to_torch", "C128A_TOPK_ALIGNMENT",
     "FP8_DS_MLA_BYTES_PER_TOKEN", "HEAD_SIZE", "KV_BLOCK_SIZE", "PAD_SLOT_ID", "Dsv4Error",

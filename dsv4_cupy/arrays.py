@@ -223,6 +223,27 @@ def block_table_group(op: Operand) -> tuple:
                                      row_stride=row_stride(op) if rows else 0)
 
 
+def view_state(x) -> tuple:
+    """What a caller can change in place on a view: shape, strides and, for
+    numpy, the writeable flag (cheap: attribute reads only)."""
+    if type(x) is np.ndarray:
+        return x.shape, x.strides, x.flags.writeable
+    if _family(x) is _TORCH:
+        return x.shape, x.stride()
+    return x.shape, x.strides
+
+
+def stack_columns(columns: list):
+    """``[N]`` arrays of one kind stacked as the columns of ``[N, len(columns)]``."""
+    kind = kind_of(columns[0])
+    if kind in (TORCH_CPU, TORCH_CUDA):
+        return _torch().stack(columns, dim=-1)
+    if kind == CUPY:
+        import cupy
+        return cupy.stack(columns, axis=-1)
+    return np.stack(columns, axis=-1)
+
+
 def host_copy(x, kind: str) -> np.ndarray:
     """A numpy copy of device memory (a sync), or a view of host memory."""
     if kind in GPU_KINDS:

@@ -6,11 +6,12 @@ import numpy as np
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32, INT64
 from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
+from .dcp import check_cp
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .scalars import check_choice, check_int
 from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width,
                    c128a_capacity)
-from .split import split_host
+from .split import host_prefilling, split_host
 
 WIDTH_POLICIES = ("capacity", "active")
 _MAX_CACHED_VIEWS = 512
@@ -32,12 +33,20 @@ class DeepseekV4MetadataBuilder:
         ``hf_config.index_topk`` (512 Flash, 1024 Pro), reported as ``topk_tokens``.
     num_speculative_tokens : int
         Decode threshold is ``1 + num_speculative_tokens`` (MTP/DSpark decodes).
-    width_policy : "capacity" or "active"
-        C128A columns written per row: the seed's fixed capacity
-        ``round_up(cdiv(max_model_len, 128), 128)``, or the upstream #52823 live
-        width ``c128a_active_width(max_seq_len, capacity)``. The row stride is
-        the capacity either way (a batch-dependent stride broke captured
-        decode consumers, vLLM #52448).
+    treat_short_extends_as_decodes : bool
+        vLLM's split flag: when False, a request still prefilling its prompt
+        (``CommonAttentionMetadata.is_prefilling``) is a prefill.
+    width_policy : "active" or "capacity"
+        C128A columns written per row: upstream's live width (#52823, its
+        default) ``c128a_active_width(max_seq_len, capacity)``, or the seed's
+        fixed capacity ``round_up(cdiv(max_model_len, 128), 128)``. The row
+        stride is the capacity either way (a batch-dependent stride broke
+        captured decode consumers, vLLM #52448).
+    dcp_world_size, dcp_rank, cp_kv_cache_interleave_size : int
+        Decode context parallelism (experimental): the compressed slot mapping
+        and the C128A decode rows are this rank's (see
+        ``build_c128a_topk_metadata``); tokens past ``query_start_loc_cpu[num_reqs]``
+        are padding.
     like : "numpy", "cupy", "torch" or an array
         Kind of the persistent buffers; the step's arrays must be of that kind
         ("torch" is CUDA when available, else CPU; an array gives its own kind
@@ -50,6 +59,13 @@ class DeepseekV4MetadataBuilder:
         request ids and block columns inside the table and, with
         ``num_cache_blocks``, block ids inside the cache. For debugging.
 
+    ``block_size`` here is the logical block (256), as in vLLM's builder; the
+    array functions take the storage block (``block_size // compress_ratio``).
+
+    The arrays a build returns are views of the persistent buffers, valid
+    until the next build; a view changed in place by the caller (reshaped,
+    flags changed) is replaced at the next build, never handed out again.
+
     Buffers: ``req_id_per_token_buffer`` int32 ``[max_num_batched_tokens]``;
     ``compressed_slot_mapping_buffer`` int64 ``[max_num_batched_tokens]`` (ratio > 1);
     ``c128a_global_decode_buffer``, ``c128a_prefill_buffer`` int32
@@ -59,9 +75,10 @@ class DeepseekV4MetadataBuilder:
 
     def __init__(self, compress_ratio: int, max_model_len: int, max_num_batched_tokens: int, *,
                  block_size: int = KV_BLOCK_SIZE, index_topk: int = 512,
-                 num_speculative_tokens: int = 0, width_policy: str = "capacity",
-                 like="numpy", device: int | None = None, validate: str = "default",
-                 num_cache_blocks: int | None = None):
+                 num_speculative_tokens: int = 0, treat_short_extends_as_decodes: bool = True,
+                 width_policy: str = "active", dcp_world_size: int = 1, dcp_rank: int = 0,
+                 cp_kv_cache_interleave_size: int = 1, like="numpy", device: int | None = None,
+                 validate: str = "default", num_cache_blocks: int | None = None):
         self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1)
         self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens",
@@ -70,6 +87,7 @@ class DeepseekV4MetadataBuilder:
         self.topk_tokens = check_int("index_topk", index_topk, minimum=1)
         spec_tokens = check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         self.decode_threshold = 1 + spec_tokens
+        self.treat_short_extends_as_decodes = bool(treat_short_extends_as_decodes)
         self.width_policy = check_choice("width_policy", width_policy, WIDTH_POLICIES)
         self.full_validation = validation.check_mode(validate)
         self.num_cache_blocks = num_cache_blocks
@@ -78,6 +96,9 @@ class DeepseekV4MetadataBuilder:
                                         or self.block_size // self.compress_ratio > MAX_BLOCK_SIZE):
             raise ValueError(f"block_size: expected a multiple of compress_ratio "
                              f"({self.compress_ratio}), got {self.block_size}")
+        self.cp = check_cp(dcp_world_size, dcp_rank, cp_kv_cache_interleave_size,
+                           block_size=max(self.storage_block_size, 1),
+                           names=("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size"))
         self.capacity = c128a_capacity(self.max_model_len) if self.compress_ratio == 128 else 0
 
         n = self.max_num_batched_tokens
@@ -107,6 +128,10 @@ class DeepseekV4MetadataBuilder:
         self._buffer_ptrs = dict((name, op.ptr if op is not None else 0) for name, op in zip(
             ("req", "slots", "global_decode", "decode_lens", "prefill"), self._buffer_ops))
         self._slot_buffer_len = n if self.compressed_slot_mapping_buffer is not None else 0
+        self._geometry = params.SLOT_GEOMETRY.values(
+            block_size=max(self.storage_block_size, 1), ratio=self.compress_ratio,
+            cp_world_size=self.cp.world_size, cp_rank=self.cp.rank,
+            cp_interleave=self.cp.interleave)
 
     def width(self, max_seq_len: int) -> int:
         """C128A columns written this step (0 unless compress_ratio is 128)."""
@@ -129,32 +154,38 @@ class DeepseekV4MetadataBuilder:
         ratio = self.compress_ratio
         num_tokens, qsl_cpu, ops = self._check_step(cm)
         table = ops["block_table_tensor"]
-        if ratio != 128:
-            num_decodes = num_prefills = num_decode_tokens = num_prefill_tokens = 0
-        elif cm.num_reqs and cm.max_query_len <= self.decode_threshold:
+        qsl = None
+        if (cm.num_reqs and cm.max_query_len <= self.decode_threshold
+                and self.treat_short_extends_as_decodes):
             # A pure decode step, decided from host ints alone (the usual case).
             num_decodes, num_prefills = cm.num_reqs, 0
             num_decode_tokens, num_prefill_tokens = num_tokens, 0
         else:
             qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
+            prefilling = None
+            if not self.treat_short_extends_as_decodes and cm.num_reqs:
+                prefilling = host_prefilling(cm.is_prefilling, cm.num_reqs)
             num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_host(
-                qsl, self.decode_threshold, False, num_tokens, cm.max_query_len)
+                qsl, self.decode_threshold, False, num_tokens, cm.max_query_len, prefilling)
         if not 0 <= num_decode_tokens <= num_tokens:
             raise ValueError(f"query_start_loc_cpu: expected the decode/prefill boundary inside "
                              f"[0, num_actual_tokens={num_tokens}], got token {num_decode_tokens}")
-        if num_decode_tokens and min(table.shape) == 0:
-            raise ValueError("block_table_tensor: expected at least one row and column for "
-                             f"C128A decode lookups, got shape {tuple(table.shape)}")
         if self.full_validation:
             self._check_step_data(cm, qsl_cpu, num_tokens, num_decode_tokens)
         # The C128A rows cover the split's tokens (none for a batch of padding only).
-        c128a_tokens = num_decode_tokens + num_prefill_tokens
+        c128a_tokens = num_decode_tokens + num_prefill_tokens if ratio == 128 else 0
         width = self.width(cm.max_seq_len) if c128a_tokens else 0
+        valid_tokens = -1               # single rank: validity from the slot mapping
+        if self.cp.world_size > 1:
+            if qsl is None:
+                qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
+            valid_tokens = int(qsl[-1])
 
         if self.kind in arrays.GPU_KINDS:
-            self._launch(cm.num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width)
+            self._launch(cm.num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
+                         valid_tokens)
         else:
-            self._run_cpu(cm, num_tokens, c128a_tokens, num_decode_tokens, width)
+            self._run_cpu(cm, num_tokens, c128a_tokens, num_decode_tokens, width, valid_tokens)
 
         req_view, slots_view, decode_view, lens_view, prefill_view = self._result_views(
             num_tokens, num_decode_tokens, num_prefill_tokens, width)
@@ -166,9 +197,11 @@ class DeepseekV4MetadataBuilder:
             block_size=self.block_size, topk_tokens=self.topk_tokens, num_decodes=num_decodes,
             num_prefills=num_prefills, num_decode_tokens=num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
-            c128a_global_decode_topk_indices=decode_view if num_decode_tokens else None,
-            c128a_decode_topk_lens=lens_view if num_decode_tokens else None,
-            c128a_prefill_topk_indices=prefill_view if num_prefill_tokens else None)
+            c128a_global_decode_topk_indices=decode_view if c128a_tokens and num_decode_tokens
+            else None,
+            c128a_decode_topk_lens=lens_view if c128a_tokens and num_decode_tokens else None,
+            c128a_prefill_topk_indices=prefill_view if c128a_tokens and num_prefill_tokens
+            else None)
 
     def _check_step(self, cm: CommonAttentionMetadata):
         """Validate the step's arrays (kind, device, dtypes, lengths); no sync.
@@ -221,17 +254,18 @@ class DeepseekV4MetadataBuilder:
                                  self.decode_threshold)
         if self.compress_ratio > 1:
             validation.slot_mapping_inputs(qsl, cm.seq_lens, table, kind,
-                                           self.storage_block_size, self.compress_ratio, 1,
-                                           self.num_cache_blocks, num_tokens)
+                                           self.storage_block_size, self.compress_ratio,
+                                           self.cp.world_size, self.num_cache_blocks, num_tokens)
         else:
             validation.query_layout(qsl, cm.seq_lens, kind, table.shape[0], num_tokens)
-        if num_decode_tokens:
+        if num_decode_tokens and self.compress_ratio == 128:
             ids = validation.token_requests(arrays.host_copy(qsl, kind), num_decode_tokens)
             validation.c128a_inputs(cm.positions, ids, table, kind, num_decode_tokens, 128,
                                     self.width(cm.max_seq_len), self.storage_block_size,
                                     self.num_cache_blocks, ids_kind=arrays.NUMPY)
 
-    def _launch(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width):
+    def _launch(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
+                valid_tokens):
         """The fused step kernel: token map, whole slot-mapping buffer, C128A rows."""
         table, positions = ops["block_table_tensor"], ops["positions"]
         cols_per_block, chunks, row_blocks = geometry.row_chunks(c128a_tokens, width, self.device)
@@ -246,58 +280,62 @@ class DeepseekV4MetadataBuilder:
             query=params.QUERY_LAYOUT.values(query_start_loc=ops["query_start_loc"].ptr,
                                              seq_lens=ops["seq_lens"].ptr, num_reqs=num_reqs),
             table=arrays.block_table_group(table),
-            geometry=params.SLOT_GEOMETRY.values(
-                block_size=max(self.storage_block_size, 1), ratio=self.compress_ratio,
-                cp_world_size=1, cp_rank=0, cp_interleave=1),
+            geometry=self._geometry,
             positions=positions.ptr if row_blocks else 0, slot_mapping=ops["slot_mapping"].ptr,
             req_out=buffers["req"], slots_out=buffers["slots"], slots_len=self._slot_buffer_len,
             rows=params.C128A_ROWS.values(
                 global_decode=buffers["global_decode"], decode_lens=buffers["decode_lens"],
                 prefill=buffers["prefill"], decode_stride=self.capacity,
-                prefill_stride=self.capacity, width=width, num_valid_tokens=-1),
+                prefill_stride=self.capacity, width=width, num_valid_tokens=valid_tokens),
             chunks=params.ROW_CHUNKS.values(cols_per_block=cols_per_block, chunks=chunks,
                                             row_blocks=row_blocks),
             num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
 
-    def _run_cpu(self, cm, num_tokens, c128a_tokens, num_decode_tokens, width):
-        kind = self.kind
+    def _run_cpu(self, cm, num_tokens, c128a_tokens, num_decode_tokens, width, valid_tokens):
+        kind, cp = self.kind, self.cp
         host = arrays.host_view
         qsl = host(cm.query_start_loc, kind)[:cm.num_reqs + 1]     # as the GPU path reads it
         req = host(self.req_id_per_token_buffer, kind)[:num_tokens]
         cpu.token_to_req_indices(qsl, np.int64(num_tokens), req)
         table = host(cm.block_table_tensor, kind)
         if self.compress_ratio > 1:
-            cpu.compressed_slot_mapping(qsl, host(cm.seq_lens, kind), table,
-                                        np.int64(self.storage_block_size),
-                                        np.int64(self.compress_ratio), np.int64(1), np.int64(0),
-                                        np.int64(1), host(self.compressed_slot_mapping_buffer, kind))
+            slots = host(self.compressed_slot_mapping_buffer, kind)
+            cpu.compressed_slot_mapping(
+                qsl, host(cm.seq_lens, kind), table, np.int64(self.storage_block_size),
+                np.int64(self.compress_ratio), np.int64(cp.world_size), np.int64(cp.rank),
+                np.int64(cp.interleave), np.int64(slots.shape[0]), slots, False, slots)
         if c128a_tokens:
-            # The whole table, as on the GPU: the request ids come from the
-            # device query_start_loc and may outrun a stale host split.
-            validation.request_ids(req, arrays.NUMPY, num_decode_tokens, table.shape[0])
             cpu.c128a_topk_metadata(
                 host(cm.positions, kind)[:c128a_tokens], np.int64(128),
                 np.int64(num_decode_tokens), req, table, np.int64(self.storage_block_size),
                 host(cm.slot_mapping, kind), np.int64(width),
                 host(self.c128a_global_decode_buffer, kind),
-                host(self.c128a_decode_lens_buffer, kind), host(self.c128a_prefill_buffer, kind))
+                host(self.c128a_decode_lens_buffer, kind), host(self.c128a_prefill_buffer, kind),
+                np.int64(cp.world_size), np.int64(cp.rank), np.int64(cp.interleave),
+                np.int64(valid_tokens))
 
     def _result_views(self, num_tokens: int, num_decode_tokens: int, num_prefill_tokens: int,
                       width: int):
-        """Views of the persistent buffers for one step shape, cached: slicing
-        costs more host time than the rest of a GPU build."""
+        """Views of the persistent buffers for one step shape, cached (slicing
+        costs more host time than the rest of a GPU build). A cached view that
+        the caller changed in place is replaced, never handed out again."""
         key = (num_tokens, num_decode_tokens, num_prefill_tokens, width)
-        views = self._views.get(key)
-        if views is None:
-            slots = self.compressed_slot_mapping_buffer
-            decode, lens, prefill = (self.c128a_global_decode_buffer,
-                                     self.c128a_decode_lens_buffer, self.c128a_prefill_buffer)
-            views = (self.req_id_per_token_buffer[:num_tokens],
-                     slots[:num_tokens] if slots is not None else None,
-                     decode[:num_decode_tokens, None, :width] if decode is not None else None,
-                     lens[:num_decode_tokens] if lens is not None else None,
-                     prefill[:num_prefill_tokens, :width] if prefill is not None else None)
-            if len(self._views) >= _MAX_CACHED_VIEWS:
-                self._views.clear()
-            self._views[key] = views
+        cached = self._views.get(key)
+        if cached is not None:
+            views, states = cached
+            if all(view is None or arrays.view_state(view) == state
+                   for view, state in zip(views, states)):
+                return views
+        slots = self.compressed_slot_mapping_buffer
+        decode, lens, prefill = (self.c128a_global_decode_buffer, self.c128a_decode_lens_buffer,
+                                 self.c128a_prefill_buffer)
+        views = (self.req_id_per_token_buffer[:num_tokens],
+                 slots[:num_tokens] if slots is not None else None,
+                 decode[:num_decode_tokens, None, :width] if decode is not None else None,
+                 lens[:num_decode_tokens] if lens is not None else None,
+                 prefill[:num_prefill_tokens, :width] if prefill is not None else None)
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        self._views[key] = (views, tuple(None if view is None else arrays.view_state(view)
+                                         for view in views))
         return views

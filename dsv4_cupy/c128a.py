@@ -5,22 +5,23 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
+from .dcp import check_cp
 from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .scalars import check_int
-from .spec import C128A_TOPK_ALIGNMENT, MAX_BLOCK_SIZE, round_up, visible_rows
+from .spec import MAX_BLOCK_SIZE
 
-
-def default_width(positions, kind: str, compress_ratio: int) -> int:
-    """The smallest multiple of 128 that holds every row (reads positions: a sync on GPU)."""
-    rows = visible_rows(arrays.host_copy(positions, kind).astype(np.int64), compress_ratio)
-    return max(C128A_TOPK_ALIGNMENT, round_up(int(rows.max(initial=0)), C128A_TOPK_ALIGNMENT))
+#: Upstream vLLM's width when neither buffers nor a width are given.
+DEFAULT_MAX_COMPRESSED_TOKENS = 8192
 
 
 def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int,
                               token_to_req_indices, block_table, block_size: int, slot_mapping,
                               global_decode_buffer=None, decode_lens_buffer=None,
                               prefill_buffer=None, max_compressed_tokens: int | None = None, *,
-                              validate: str = "default", num_cache_blocks: int | None = None):
+                              dcp_world_size: int = 1, dcp_rank: int = 0,
+                              cp_kv_cache_interleave_size: int = 1,
+                              num_valid_tokens: int | None = None, validate: str = "default",
+                              num_cache_blocks: int | None = None):
     """C128A metadata for all tokens of a step (decodes first, then prefills).
 
     Parameters
@@ -34,26 +35,34 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     token_to_req_indices : int32 array ``[>= nd]``
         Request of each token (from ``token_to_req_indices``).
     block_table : int32 array ``[R, max_blocks]`` (rows contiguous, any row stride)
-        Read for decode tokens only; not clamped (as in the seed).
+        Read for valid decode tokens only; not clamped (as in the seed).
     block_size : int
-        Compressed rows per cache block (``256 // 128 = 2``).
+        The **storage** block size: compressed rows per cache block
+        (``256 // 128 = 2``), not the builder's logical 256.
     slot_mapping : int32 or int64 array ``[>= nd]``
-        The group's *uncompressed* slot mapping: a decode token with a negative
-        slot is CUDA-graph padding and gets length 0.
+        The group's *uncompressed* slot mapping: on a single rank, a decode
+        token with a negative slot is CUDA-graph padding.
     global_decode_buffer, prefill_buffer : int32 arrays ``[rows, >= W]``, optional
     decode_lens_buffer : int32 array ``[>= nd]``, optional
         Persistent outputs; results are views of them (their row stride kept).
         Missing ones are allocated, of the inputs' kind.
     max_compressed_tokens : int, optional
-        ``W``, columns per row. Defaults to the buffers' width, or without
-        buffers to the smallest multiple of 128 that holds every row (which
-        reads ``positions``: pass ``W`` to keep a GPU call free of syncs).
+        ``W``, columns per row: at most the buffers' width; defaults to it, or
+        without buffers to 8192 (upstream's default).
+    dcp_world_size, dcp_rank, cp_kv_cache_interleave_size : int
+        Decode context parallelism (experimental: upstream has it on a branch
+        only). Each rank's decode row lists the rank-local slots of the rows it
+        owns, ascending and packed at the front; its length is the owned count
+        (``get_dcp_local_seq_lens`` of the visible rows). ``block_size`` must be
+        a multiple of the interleave. Prefill rows are unchanged.
+    num_valid_tokens : int, optional
+        With more than one rank, where ``slot_mapping < 0`` no longer marks
+        padding: decode tokens ``t >= num_valid_tokens`` are padding (default:
+        none). Ignored on a single rank.
     validate : "default" or "full"
         "full" also checks (a sync on GPU) that decode tokens' request ids are
         block-table rows and that their blocks lie inside the table row and,
-        with ``num_cache_blocks``, inside the cache. By default the kernel
-        clamps such indices instead (nothing is read or written out of range);
-        the CPU path always checks request ids.
+        with ``num_cache_blocks``, inside the cache.
 
     Returns
     -------
@@ -62,8 +71,10 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     zero, as the seed does): decode row ``e < n`` holds
     ``block_table[req, e // block_size] * block_size + e % block_size``, prefill
     row ``e < n`` holds ``e``, every other column of the ``W`` is -1; the
-    length is ``max(n, 0)``, or 0 for padding. Columns at or past ``W`` and
-    rows past the tokens are never written.
+    length is ``max(n, 0)``. One rule for what cannot be addressed: a padding
+    decode token, or one whose request is outside the table, gets an all -1
+    row and length 0, and rows past the table row's blocks are -1 and not
+    counted. Columns at or past ``W`` and rows past the tokens are never written.
     """
     kind, device, ops = arrays.probe_all({
         "positions": positions, "token_to_req_indices": token_to_req_indices,
@@ -79,10 +90,15 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
     num_decode_tokens = check_int("num_decode_tokens", num_decode_tokens, minimum=0,
                                   maximum=num_tokens)
+    cp = check_cp(dcp_world_size, dcp_rank, cp_kv_cache_interleave_size, block_size=block_size,
+                  names=("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size"))
+    valid_tokens = -1                 # the kernels' "validity from slot_mapping"
+    if cp.world_size > 1:
+        valid_tokens = num_decode_tokens if num_valid_tokens is None else check_int(
+            "num_valid_tokens", num_valid_tokens, minimum=0)
     num_prefill_tokens = num_tokens - num_decode_tokens
     arrays.check(token_to_req, (INT32,), 1, min_len=num_decode_tokens)
-    arrays.check(table, (INT32,), 2, min_len=1 if num_decode_tokens else None,
-                 min_cols=1 if num_decode_tokens else None)
+    arrays.check(table, (INT32,), 2)
     slot_dtype = arrays.check(slots, SLOT_MAPPING_AXIS[1], 1, min_len=num_decode_tokens)
 
     row_buffers = [op for op in (ops["global_decode_buffer"], ops["prefill_buffer"])
@@ -97,7 +113,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     elif row_buffers:
         width = min(op.shape[1] for op in row_buffers)
     else:
-        width = default_width(positions, kind, compress_ratio)
+        width = DEFAULT_MAX_COMPRESSED_TOKENS
 
     global_decode = arrays.output("global_decode_buffer", ops["global_decode_buffer"], kind,
                                   device, INT32, num_decode_tokens, width)
@@ -106,8 +122,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     prefill = arrays.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32,
                             num_prefill_tokens, width)
     arrays.check_no_alias([global_decode, lens, prefill], [pos, token_to_req, table, slots])
-    full = validation.check_mode(validate)
-    if full:
+    if validation.check_mode(validate):
         validation.c128a_inputs(positions, token_to_req_indices, block_table, kind,
                                 num_decode_tokens, compress_ratio, width, block_size,
                                 num_cache_blocks)
@@ -120,26 +135,23 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                 positions=pos.ptr, token_to_req=token_to_req.ptr, slot_mapping=slots.ptr,
                 table=arrays.block_table_group(table),
                 geometry=params.SLOT_GEOMETRY.values(
-                    block_size=block_size, ratio=compress_ratio, cp_world_size=1, cp_rank=0,
-                    cp_interleave=1),
+                    block_size=block_size, ratio=compress_ratio, cp_world_size=cp.world_size,
+                    cp_rank=cp.rank, cp_interleave=cp.interleave),
                 rows=params.C128A_ROWS.values(
                     global_decode=global_decode.ptr, decode_lens=lens.ptr, prefill=prefill.ptr,
                     decode_stride=arrays.row_stride(global_decode),
-                    prefill_stride=arrays.row_stride(prefill), width=width, num_valid_tokens=-1),
+                    prefill_stride=arrays.row_stride(prefill), width=width,
+                    num_valid_tokens=valid_tokens),
                 chunks=params.ROW_CHUNKS.values(cols_per_block=chunks[0], chunks=chunks[1],
                                                 row_blocks=chunks[2]),
                 num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
     else:
         host = arrays.host_view
-        host_token_to_req = host(token_to_req_indices, kind)
-        if not full:                  # the CPU path always checks request ids
-            validation.request_ids(host_token_to_req, arrays.NUMPY, num_decode_tokens,
-                                   table.shape[0])
-        cpu.c128a_topk_metadata(host(positions, kind), np.int64(compress_ratio),
-                                np.int64(num_decode_tokens), host_token_to_req,
-                                host(block_table, kind), np.int64(block_size),
-                                host(slot_mapping, kind), np.int64(width),
-                                host(global_decode.array, kind), host(lens.array, kind),
-                                host(prefill.array, kind))
+        cpu.c128a_topk_metadata(
+            host(positions, kind), np.int64(compress_ratio), np.int64(num_decode_tokens),
+            host(token_to_req_indices, kind), host(block_table, kind), np.int64(block_size),
+            host(slot_mapping, kind), np.int64(width), host(global_decode.array, kind),
+            host(lens.array, kind), host(prefill.array, kind), np.int64(cp.world_size),
+            np.int64(cp.rank), np.int64(cp.interleave), np.int64(valid_tokens))
     return (global_decode.array[:num_decode_tokens, :width], lens.array[:num_decode_tokens],
             prefill.array[:num_prefill_tokens, :width])

@@ -41,23 +41,30 @@ def token_to_req_indices(qsl, num_tokens, out):
 
 @njit(cache=True)
 def compressed_slot_mapping(qsl, seq_lens, block_table, block_size, compress_ratio,
-                            cp_world_size, cp_rank, cp_interleave, out):
+                            cp_world_size, cp_rank, cp_interleave, num_tokens, token_slots,
+                            use_token_slots, out):
     """Fills all of ``out`` with -1, then writes each group-closing token's slot.
 
-    Block-table entries are read clamped at 0; a block index past the table's
-    row is treated as "no slot" (-1) instead of reading the next row.
+    Only tokens below ``min(num_tokens, len(out))`` get a slot, so the loop is
+    bounded by the output whatever the query layout says. Block-table entries
+    are read clamped at 0; a block index past the table's row is "no slot".
+    With ``use_token_slots`` (single rank only), a token whose own slot is
+    negative gets no compressed slot either.
     """
     out[:] = -1
     num_rows, num_cols = block_table.shape
     virtual_block = block_size * cp_world_size
+    limit = min(num_tokens, out.shape[0])
+    own_slot_rule = use_token_slots and cp_world_size == 1
     for b in range(num_rows):
         qs = np.int64(qsl[b])
-        query_len = np.int64(qsl[b + 1]) - qs
-        start = np.int64(seq_lens[b]) - query_len
-        for j in range(query_len):
-            idx = qs + j
-            pos = start + j
-            if idx < 0 or idx >= out.shape[0] or pos < 0 or (pos + 1) % compress_ratio != 0:
+        qe = np.int64(qsl[b + 1])
+        start = np.int64(seq_lens[b]) - (qe - qs)
+        for idx in range(max(qs, 0), min(qe, limit)):
+            pos = start + (idx - qs)
+            if pos < 0 or (pos + 1) % compress_ratio != 0:
+                continue
+            if own_slot_rule and token_slots[idx] < 0:
                 continue
             c = pos // compress_ratio
             blk = c // virtual_block
@@ -68,27 +75,42 @@ def compressed_slot_mapping(qsl, seq_lens, block_table, block_size, compress_rat
             out[idx] = np.int64(max(block_table[b, blk], 0)) * block_size + off
 
 
+@njit(cache=True, inline="always")
+def _owned_rows(n, cp_world_size, cp_rank, cp_interleave):
+    """Rows among 0..n-1 owned by ``cp_rank`` (the kernels' owned_rows)."""
+    if cp_world_size == 1:
+        return n
+    base = n // cp_interleave // cp_world_size * cp_interleave
+    return base + min(max(n - base * cp_world_size - cp_rank * cp_interleave, 0), cp_interleave)
+
+
 @njit(cache=True, parallel=True)
 def c128a_topk_metadata(positions, compress_ratio, num_decode_tokens, token_to_req, block_table,
-                        block_size, slot_mapping, width, global_decode, decode_lens, prefill):
-    """Rows of ``width`` columns: decode rows get global slot ids and a length,
-    prefill rows get local indices; -1 past the visible count."""
-    num_cols = block_table.shape[1]
+                        block_size, slot_mapping, width, global_decode, decode_lens, prefill,
+                        cp_world_size, cp_rank, cp_interleave, num_valid_tokens):
+    """Rows of ``width`` columns: decode rows get global (rank-local under DCP)
+    slot ids and a length, prefill rows get local indices; -1 past the count.
+    A decode token that is not valid (slot < 0, or t >= num_valid_tokens when
+    that is >= 0) or whose request is outside the table gets -1 and length 0;
+    rows past the table row's blocks are -1 and not counted."""
+    num_rows, num_cols = block_table.shape
     for t in prange(positions.shape[0]):
-        n = min(_div_trunc(np.int64(positions[t]) + 1, compress_ratio), width)
-        valid = max(n, 0)
+        n = max(min(_div_trunc(np.int64(positions[t]) + 1, compress_ratio), width), 0)
         if t < num_decode_tokens:
             req = token_to_req[t]
+            valid = slot_mapping[t] >= 0 if num_valid_tokens < 0 else t < num_valid_tokens
+            count = 0
+            if valid and 0 <= req < num_rows:
+                count = min(_owned_rows(n, cp_world_size, cp_rank, cp_interleave),
+                            num_cols * block_size)
             row = global_decode[t]
-            for e in range(valid):
-                # int32 product as in the seed (wraps the same way); column
-                # clamped so a garbage position cannot read past the row.
-                blk = block_table[req, min(e // block_size, num_cols - 1)]
-                row[e] = np.int32(blk * block_size + e % block_size)
-            row[valid:width] = -1
-            decode_lens[t] = valid if slot_mapping[t] >= 0 else 0
+            for e in range(count):
+                # int32 product as in the seed (wraps the same way).
+                row[e] = np.int32(block_table[req, e // block_size] * block_size + e % block_size)
+            row[count:width] = -1
+            decode_lens[t] = count
         else:
             row = prefill[t - num_decode_tokens]
-            for e in range(valid):
+            for e in range(n):
                 row[e] = e
-            row[valid:width] = -1
+            row[n:width] = -1

@@ -14,7 +14,8 @@ POSITIONS_AXIS = ("p", (INT32, INT64))
 SLOT_MAPPING_AXIS = ("s", (INT32, INT64))
 
 TOKEN_MAP = KernelFamily("token_map.cu", "token_to_req_indices", params.TOKEN_MAP)
-SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params.SLOT_MAPPING)
+SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params.SLOT_MAPPING,
+                           (SLOT_MAPPING_AXIS,))
 C128A = KernelFamily("c128a.cu", "c128a_topk_metadata", params.C128A,
                      (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
 BUILD_STEP = KernelFamily("build_step.cu", "build_step", params.BUILD_STEP,

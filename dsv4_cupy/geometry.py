@@ -39,8 +39,9 @@ def row_geometry(num_rows: int, width: int, device: int) -> tuple[int, int]:
 
 
 def row_chunks(num_rows: int, width: int, device: int) -> tuple:
-    """The ``RowChunks`` values of ``num_rows`` rows (none when there is nothing to write)."""
-    if not num_rows or not width:
+    """``(cols_per_block, chunks, row_blocks)`` of ``num_rows`` rows: at least one
+    block per row, so a row of width 0 still gets its length written."""
+    if not num_rows:
         return 0, 1, 0
     per_block, chunks = row_geometry(num_rows, width, device)
     return per_block, chunks, num_rows * chunks

@@ -17,7 +17,10 @@ class CommonAttentionMetadata:
     ``[num_reqs + 1]`` int32, ``seq_lens`` ``[num_reqs]`` int32 (including
     this step's queries), ``block_table_tensor`` ``[num_reqs, max_blocks]``
     int32, ``slot_mapping`` ``[num_actual_tokens]`` int32/int64 (-1 = padding),
-    ``positions`` ``[num_actual_tokens]`` int32/int64 (needed for C128A).
+    ``positions`` ``[num_actual_tokens]`` int32/int64 (needed for C128A),
+    ``is_prefilling`` ``[num_reqs]`` host bool (requests still processing their
+    prompt; read only by ``split_decodes_and_prefills(...,
+    treat_short_extends_as_decodes=False)``).
     """
 
     query_start_loc: Any
@@ -30,6 +33,7 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     positions: Any = None
+    is_prefilling: Any = None
 
 
 @dataclass
@@ -38,7 +42,8 @@ class DeepseekV4Metadata:
     ``DeepseekV4FlashMLAMetadata`` fields, plus the decode/prefill split).
 
     ``slot_mapping`` is the compressed slot mapping (int64) when
-    ``compress_ratio > 1``, else the input one. The C128A fields exist for
+    ``compress_ratio > 1``, else the input one. The split counts are filled
+    for every ratio. The C128A fields exist for
     ratio 128 only, and each is None when its token count is 0:
     ``c128a_global_decode_topk_indices`` ``[num_decode_tokens, 1, W]``,
     ``c128a_decode_topk_lens`` ``[num_decode_tokens]``,

@@ -5,32 +5,25 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32, INT64
+from .dcp import check_cp, merge_aliases
+from .families import SLOT_MAPPING_AXIS
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
-#: Bound of context-parallel world and interleave sizes.
-MAX_CP_SIZE = 1 << 16
-
-
-def check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size) -> tuple[int, int, int]:
-    world = check_int("cp_world_size", cp_world_size, minimum=1, maximum=MAX_CP_SIZE)
-    rank = check_int("cp_rank", cp_rank, minimum=0, maximum=world - 1)
-    interleave = check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size,
-                           minimum=1, maximum=MAX_CP_SIZE)
-    return world, rank, interleave
-
 
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table,
-                                block_size: int, compress_ratio: int, out=None, *,
-                                cp_world_size: int = 1, cp_rank: int = 0,
-                                cp_kv_cache_interleave_size: int = 1, validate: str = "default",
+                                block_size: int, compress_ratio: int, out=None,
+                                cp_world_size: int | None = None, cp_rank: int | None = None,
+                                cp_kv_cache_interleave_size: int = 1, *,
+                                dcp_world_size: int | None = None, dcp_rank: int | None = None,
+                                token_slot_mapping=None, validate: str = "default",
                                 num_cache_blocks: int | None = None):
     """Physical compressed-cache slot of every token that closes a compression group.
 
     Parameters
     ----------
     num_tokens : int
-        Tokens in the step (``num_actual_tokens``).
+        Tokens in the step (``num_actual_tokens``); elements at or past it are -1.
     query_start_loc : int32 array ``[R + 1]`` (at least ``block_table.shape[0] + 1``)
     seq_lens : int32 array ``[>= R]``
         Sequence lengths including this step's queries.
@@ -38,13 +31,21 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         One row per request; negative entries are read as 0 (the builder's
         clamp) without changing the table.
     block_size : int
-        *Storage* block size: rows per compressed block (``256 // compress_ratio``).
+        The **storage** block size: compressed rows per cache block,
+        ``256 // compress_ratio`` (64 for C4A, 2 for C128A). Not the builder's
+        logical ``block_size`` of 256.
     compress_ratio : int
         4 (C4A) or 128 (C128A).
     out : int64 array ``[>= num_tokens]``, optional
-        Persistent buffer: **all** of it is set to -1, then the slots are written.
+        Persistent buffer: **all** of it is written (-1 where there is no slot).
     cp_world_size, cp_rank, cp_kv_cache_interleave_size : int
-        Context-parallel sharding of the compressed cache (1, 0, 1: none).
+        Context-parallel sharding of the compressed cache (default 1, 0, 1: none),
+        positional after ``out`` as in vLLM. ``dcp_world_size`` and ``dcp_rank``
+        are keyword aliases (newer vLLM's names); a conflicting pair is an error.
+        With more than one rank, ``block_size`` must be a multiple of the interleave.
+    token_slot_mapping : int32 or int64 array ``[>= num_tokens]``, optional
+        The tokens' own slot mapping (newer vLLM): on a single rank, a token
+        whose own slot is negative gets -1. Ignored with more than one rank.
     validate : "default" or "full"
         "full" also checks (reading the inputs: a sync on GPU) that
         ``query_start_loc`` starts at 0 and never decreases, ``seq_len >=
@@ -61,38 +62,52 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     """
     kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc,
                                           "seq_lens": seq_lens, "block_table": block_table,
-                                          "out": out})
+                                          "out": out, "token_slot_mapping": token_slot_mapping})
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                maximum=MAX_BLOCK_SIZE)
-    world, rank, interleave = check_cp(cp_world_size, cp_rank, cp_kv_cache_interleave_size)
+    cp = check_cp(merge_aliases("cp_world_size", cp_world_size, "dcp_world_size",
+                                dcp_world_size, 1),
+                  merge_aliases("cp_rank", cp_rank, "dcp_rank", dcp_rank, 0),
+                  cp_kv_cache_interleave_size, block_size=block_size)
     table, qsl, seq = ops["block_table"], ops["query_start_loc"], ops["seq_lens"]
     arrays.check(table, (INT32,), 2)
     num_rows = table.shape[0]
     arrays.check(qsl, (INT32,), 1, min_len=num_rows + 1)
     arrays.check(seq, (INT32,), 1, min_len=num_rows)
+    token_slots = ops["token_slot_mapping"]
+    slot_dtype = INT64
+    if token_slots is not None:
+        slot_dtype = arrays.check(token_slots, SLOT_MAPPING_AXIS[1], 1, min_len=num_tokens)
     out = arrays.output("out", ops["out"], kind, device, INT64, num_tokens)
-    arrays.check_no_alias([out], [qsl, seq, table])
+    arrays.check_no_alias([out], [qsl, seq, table, token_slots])
     if validation.check_mode(validate):
         validation.slot_mapping_inputs(query_start_loc, seq_lens, block_table, kind, block_size,
-                                       compress_ratio, world, num_cache_blocks)
+                                       compress_ratio, cp.world_size, num_cache_blocks)
     out_len = out.shape[0]
     if kind in arrays.GPU_KINDS:
         if out_len:
             families.SLOT_MAPPING.launch(
                 device, geometry.elementwise_blocks(out_len), arrays.launch_stream(kind, device),
+                (slot_dtype,),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_rows),
                 table=arrays.block_table_group(table),
                 geometry=params.SLOT_GEOMETRY.values(
-                    block_size=block_size, ratio=compress_ratio, cp_world_size=world,
-                    cp_rank=rank, cp_interleave=interleave),
-                token_slots=0, out=out.ptr, out_len=out_len, num_tokens=out_len)
+                    block_size=block_size, ratio=compress_ratio, cp_world_size=cp.world_size,
+                    cp_rank=cp.rank, cp_interleave=cp.interleave),
+                token_slots=token_slots.ptr if token_slots is not None else 0, out=out.ptr,
+                out_len=out_len, num_tokens=num_tokens)
     else:
         host = arrays.host_view
-        cpu.compressed_slot_mapping(host(query_start_loc, kind), host(seq_lens, kind),
-                                    host(block_table, kind), np.int64(block_size),
-                                    np.int64(compress_ratio), np.int64(world), np.int64(rank),
-                                    np.int64(interleave), host(out.array, kind))
+        cpu.compressed_slot_mapping(
+            host(query_start_loc, kind), host(seq_lens, kind), host(block_table, kind),
+            np.int64(block_size), np.int64(compress_ratio), np.int64(cp.world_size),
+            np.int64(cp.rank), np.int64(cp.interleave), np.int64(num_tokens),
+            host(token_slot_mapping, kind) if token_slots is not None else _NO_TOKEN_SLOTS,
+            token_slots is not None, host(out.array, kind))
     return out.array[:num_tokens]
+
+
+_NO_TOKEN_SLOTS = np.full(1, -1, np.int64)

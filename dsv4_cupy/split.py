@@ -8,75 +8,128 @@ from .arrays import INT32, INT64
 from .scalars import check_int
 
 
-def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1,
-                               require_uniform: bool = False, num_actual_tokens: int | None = None,
+def split_decodes_and_prefills(common_attn_metadata, decode_threshold: int = 1,
+                               require_uniform: bool = False,
+                               treat_short_extends_as_decodes: bool = True, *,
+                               is_prefilling=None, num_actual_tokens: int | None = None,
                                max_query_len: int | None = None) -> tuple[int, int, int, int]:
     """Split a decodes-first batch into its decode and prefill parts (host only).
 
     Parameters
     ----------
-    query_start_loc : int32 host array (numpy or torch CPU), shape ``[num_reqs + 1]``,
-        or a ``CommonAttentionMetadata`` (its ``query_start_loc_cpu``,
-        ``num_actual_tokens`` and ``max_query_len`` are used, as vLLM does).
-        A device array is refused: reading it would force a sync.
+    common_attn_metadata : ``CommonAttentionMetadata``, or an int32/int64 host array ``[R + 1]``
+        With the metadata (as vLLM calls it), its ``query_start_loc_cpu`` up to
+        ``num_reqs + 1``, ``num_actual_tokens``, ``max_query_len`` and
+        ``is_prefilling`` are used. A bare ``query_start_loc`` must be a host
+        array (numpy or torch CPU): reading a device array would sync.
     decode_threshold : int
         Requests with at most this many query tokens are decodes
         (``1 + num_speculative_tokens`` for DeepSeek-V4).
     require_uniform : bool
-        Decodes must all have the same query length.
+        Decodes must all have the same query length (or 0, CUDA-graph padding).
+    treat_short_extends_as_decodes : bool
+        When False, a request still prefilling its prompt (``is_prefilling``)
+        is a prefill whatever its query length (newer vLLM).
+    is_prefilling : bool host array ``[R]``, optional
+        Keyword for a bare ``query_start_loc``; required when the flag is False.
     num_actual_tokens, max_query_len : int, optional
-        Defaults: ``query_start_loc[-1]`` and the longest query.
+        Defaults: the metadata's, else ``query_start_loc[-1]`` and the longest query.
 
     Returns
     -------
     ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`` as ints;
-    ``(0, 0, 0, 0)`` for a batch with no request (its tokens, if any, are padding).
-    The batch is assumed reordered decodes first (vLLM's runner does this); the
-    first request over the threshold starts the prefills.
+    ``(0, 0, 0, 0)`` for a batch with no request. The batch is assumed
+    reordered decodes first (vLLM's runner does this); the first prefill
+    starts the prefills. ``num_actual_tokens`` below the decode tokens is an error.
     """
     from .metadata import CommonAttentionMetadata
-    if isinstance(query_start_loc, CommonAttentionMetadata):
-        cm = query_start_loc
+    query_start_loc = common_attn_metadata
+    name = "query_start_loc"
+    num_reqs = None
+    if isinstance(common_attn_metadata, CommonAttentionMetadata):
+        cm = common_attn_metadata
+        name = "query_start_loc_cpu"
         query_start_loc = cm.query_start_loc_cpu
+        num_reqs = check_int("num_reqs", cm.num_reqs, minimum=0)
         num_actual_tokens = cm.num_actual_tokens if num_actual_tokens is None else num_actual_tokens
         max_query_len = cm.max_query_len if max_query_len is None else max_query_len
+        is_prefilling = cm.is_prefilling if is_prefilling is None else is_prefilling
     kind = arrays.kind_of(query_start_loc)
     if kind not in (arrays.NUMPY, arrays.TORCH_CPU):
-        raise TypeError("query_start_loc: expected a host array (numpy or torch CPU; vLLM's "
+        raise TypeError(f"{name}: expected a host array (numpy or torch CPU; vLLM's "
                         f"query_start_loc_cpu), got {arrays.describe(query_start_loc)}")
-    arrays.check(arrays.probe("query_start_loc", query_start_loc), (INT32, INT64), 1, min_len=1)
+    op = arrays.probe(name, query_start_loc)
+    arrays.check(op, (INT32, INT64), 1, min_len=1 if num_reqs is None else num_reqs + 1)
     threshold = check_int("decode_threshold", decode_threshold, minimum=0)
     qsl = arrays.host_view(query_start_loc, kind)
-    return split_host(qsl, threshold, bool(require_uniform), num_actual_tokens, max_query_len)
+    if num_reqs is not None:
+        qsl = qsl[:num_reqs + 1]
+    if num_actual_tokens is not None:
+        num_actual_tokens = check_int("num_actual_tokens", num_actual_tokens, minimum=0)
+    if max_query_len is not None:
+        max_query_len = check_int("max_query_len", max_query_len, minimum=0)
+    prefilling = None
+    if not treat_short_extends_as_decodes and qsl.shape[0] > 1:
+        prefilling = host_prefilling(is_prefilling, qsl.shape[0] - 1)
+    return split_host(qsl, threshold, bool(require_uniform), num_actual_tokens, max_query_len,
+                      prefilling)
+
+
+def host_prefilling(is_prefilling, num_reqs: int) -> np.ndarray:
+    """``is_prefilling`` checked as a host bool array of at least ``num_reqs`` entries."""
+    if is_prefilling is None:
+        raise ValueError("is_prefilling: required when treat_short_extends_as_decodes is False "
+                         "(one host bool per request: still processing its prompt), got None")
+    kind = arrays.kind_of(is_prefilling)
+    if kind not in (arrays.NUMPY, arrays.TORCH_CPU):
+        raise TypeError("is_prefilling: expected a host bool array (numpy or torch CPU), got "
+                        f"{arrays.describe(is_prefilling)}")
+    arrays.check(arrays.probe("is_prefilling", is_prefilling), (np.dtype(np.bool_),), 1,
+                 min_len=num_reqs)
+    return arrays.host_view(is_prefilling, kind)[:num_reqs]
 
 
 def split_host(qsl: np.ndarray, threshold: int, require_uniform: bool,
-               num_actual_tokens: int | None, max_query_len: int | None) -> tuple[int, int, int, int]:
-    """The split on a checked numpy ``query_start_loc`` (the builder's hot path)."""
+               num_actual_tokens: int | None, max_query_len: int | None,
+               is_prefilling: np.ndarray | None = None) -> tuple[int, int, int, int]:
+    """The split on a checked numpy ``query_start_loc`` ``[R + 1]`` (the builder's hot
+    path). ``is_prefilling`` given means short extends are prefills (vLLM's
+    ``treat_short_extends_as_decodes=False``)."""
     num_reqs = qsl.shape[0] - 1
     if num_reqs == 0:
         return 0, 0, 0, 0
-    total = int(qsl[-1]) if num_actual_tokens is None else check_int(
-        "num_actual_tokens", num_actual_tokens, minimum=0)
+    total = int(qsl[-1]) if num_actual_tokens is None else num_actual_tokens
+    short_extends_are_decodes = is_prefilling is None
     query_lens = None
     if max_query_len is None:
         query_lens = np.diff(qsl)
         max_query_len = int(query_lens.max())
-    if max_query_len <= threshold and (not require_uniform or threshold <= 1):
-        return num_reqs, 0, total, 0
+    if (max_query_len <= threshold and (not require_uniform or threshold <= 1)
+            and short_extends_are_decodes):
+        return num_reqs, 0, _checked_tokens(total, total), 0
     first = int(qsl[1] - qsl[0])
     if first > threshold:
         return 0, num_reqs, 0, total
     if query_lens is None:
         query_lens = np.diff(qsl)
     if require_uniform:
-        if np.all((query_lens == first) | (query_lens == 0)):
-            return num_reqs, 0, total, 0
+        uniform = np.all((query_lens == first) | (query_lens == 0))
+        if uniform and short_extends_are_decodes:
+            return num_reqs, 0, _checked_tokens(total, total), 0
         is_prefill = query_lens != first
     else:
         is_prefill = query_lens > threshold
+    if not short_extends_are_decodes:
+        is_prefill = is_prefill | is_prefilling
     boundary = int(is_prefill.argmax())
     if not is_prefill[boundary]:
-        return num_reqs, 0, total, 0
-    decode_tokens = int(qsl[boundary])
+        return num_reqs, 0, _checked_tokens(total, total), 0
+    decode_tokens = _checked_tokens(int(qsl[boundary]), total)
     return boundary, num_reqs - boundary, decode_tokens, total - decode_tokens
+
+
+def _checked_tokens(decode_tokens: int, total: int) -> int:
+    if decode_tokens > total:
+        raise ValueError(f"num_actual_tokens: expected at least the {decode_tokens} decode tokens "
+                         f"that query_start_loc places before the first prefill, got {total}")
+    return decode_tokens

@@ -84,22 +84,22 @@ struct BlockDivisor {
     }
 };
 
-// Column e of a C128A row with n visible rows: -1 past n; a decode row
+// Column e of a C128A row with n addressable rows: -1 past n; a decode row
 // (block_row != nullptr) holds block_row[e / bs] * bs + e % bs, computed in 32
-// bits like the seed, column clamped to the table row; a prefill row holds e.
+// bits like the seed; a prefill row holds e. n never exceeds the row's
+// columns times bs, so the table read stays inside the row.
 __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__ block_row,
-                                           const BlockDivisor& bs, i64 cols) {
+                                           const BlockDivisor& bs) {
     if (e >= n) return DSV4_PAD_SLOT_ID;
     if (block_row == nullptr) return e;
-    const i64 col = min((i64)bs.div(e), cols - 1);
-    return (int)((unsigned)block_row[col] * (unsigned)bs.size + (unsigned)bs.mod(e));
+    return (int)((unsigned)block_row[bs.div(e)] * (unsigned)bs.size + (unsigned)bs.mod(e));
 }
 
 // Writes columns [c0, c1) of one C128A row, with 16-byte stores when
 // row + c0 is 16-byte aligned (then every vector is).
 __device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0, int c1, int n,
                                                    const int* __restrict__ block_row,
-                                                   int block_size, i64 cols) {
+                                                   int block_size) {
     const BlockDivisor bs(block_size);
     int e = c0;
     if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
@@ -109,10 +109,10 @@ __device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0
 #pragma unroll 4
         for (int v = c0 + 4 * (int)threadIdx.x; v < vec_end; v += 4 * (int)blockDim.x) {
             int4 q;
-            q.x = c128a_value(v, n, block_row, bs, cols);
-            q.y = c128a_value(v + 1, n, block_row, bs, cols);
-            q.z = c128a_value(v + 2, n, block_row, bs, cols);
-            q.w = c128a_value(v + 3, n, block_row, bs, cols);
+            q.x = c128a_value(v, n, block_row, bs);
+            q.y = c128a_value(v + 1, n, block_row, bs);
+            q.z = c128a_value(v + 2, n, block_row, bs);
+            q.w = c128a_value(v + 3, n, block_row, bs);
             // Streaming (evict-first) stores: measured 3-10% faster on the
             // H200 for rows of 8192 columns, which are far larger than L2.
             __stcs(reinterpret_cast<int4*>(row + v), q);
@@ -120,7 +120,7 @@ __device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0
         e = vec_end;
     }
     for (int s = e + (int)threadIdx.x; s < c1; s += (int)blockDim.x)
-        row[s] = c128a_value(s, n, block_row, bs, cols);
+        row[s] = c128a_value(s, n, block_row, bs);
 }
 
 // The piece of the row grid that this block writes: token t, columns [c0, c1).
@@ -134,8 +134,24 @@ struct RowPiece {
     }
 };
 
+// Rows among 0..n-1 that context-parallel rank g.cp_rank owns: rows go to the
+// ranks cp_interleave at a time, round robin (vLLM's get_dcp_local_seq_lens).
+// Because the block size is a multiple of the interleave (checked on the host),
+// the k-th owned row has local slot block_row[k / bs] * bs + k % bs: a rank's
+// decode row is the single-rank formula over its own count.
+__device__ __forceinline__ i64 owned_rows(i64 n, const SlotGeometry& g) {
+    if (g.cp_world_size == 1) return n;
+    const i64 base = n / g.cp_interleave / g.cp_world_size * g.cp_interleave;
+    return base + clamp_i64(n - base * g.cp_world_size - g.cp_rank * g.cp_interleave, 0,
+                            g.cp_interleave);
+}
+
 // One block's piece of the C128A metadata. Decode tokens (t < num_decode_tokens)
-// also write their length once.
+// also write their length once. One rule for what cannot be addressed
+// correctly: a decode token that is not valid (padding: slot < 0, or under
+// DCP t >= num_valid_tokens) or whose request is outside the table gets an
+// all -1 row and length 0, and rows past the table row's blocks are -1 and
+// not counted; nothing is read for them.
 template <typename PosT, typename SlotT>
 __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT position,
                                             const SlotT* __restrict__ slot_mapping,
@@ -144,12 +160,17 @@ __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT
     const i64 t = piece.t;
     const int n = visible_rows(position, g.ratio, rows.width);
     if (t < num_decode_tokens) {
-        const i64 r = clamp_i64(req, 0, table.rows - 1);
-        c128a_fill_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1, n,
-                           table.entries + r * table.row_stride, (int)g.block_size, table.cols);
-        if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = slot_mapping[t] >= 0 ? n : 0;
+        const bool valid = rows.num_valid_tokens < 0 ? slot_mapping[t] >= 0
+                                                     : t < rows.num_valid_tokens;
+        const bool in_table = req >= 0 && (i64)req < table.rows;
+        const int count = valid && in_table
+            ? (int)min(owned_rows(n, g), table.cols * g.block_size) : 0;
+        const int* block_row = in_table ? table.entries + (i64)req * table.row_stride : nullptr;
+        c128a_fill_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1, count,
+                           count ? block_row : nullptr, (int)g.block_size);
+        if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = count;
     } else {
         c128a_fill_columns(rows.prefill + (t - num_decode_tokens) * rows.prefill_stride, piece.c0,
-                           piece.c1, n, nullptr, (int)g.block_size, table.cols);
+                           piece.c1, n, nullptr, (int)g.block_size);
     }
 }

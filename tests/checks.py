@@ -6,6 +6,7 @@ import numpy as np
 
 import dsv4_cupy as d4
 import reference as ref
+import reference_upstream as upstream
 from batches import POISON, Batch, poisoned
 from conftest import to_kind, to_numpy
 
@@ -50,7 +51,7 @@ def check_c128a(batch: Batch, kind: str, width: int, positions_dtype=np.int64,
     num_decodes, _, nd, num_prefill = batch.split()
     total = nd + num_prefill
     t2r = ref.token_to_req(batch.qsl.tolist(), batch.num_tokens)
-    want_gd, want_lens, want_pf = ref.c128a_topk(
+    want_gd, want_lens, want_pf = upstream.c128a_topk_v2(
         batch.positions[:total].tolist(), batch.ratio, nd, t2r,
         batch.block_table[:num_decodes].tolist(), batch.storage_block_size,
         batch.slot_mapping.tolist(), width)

@@ -181,33 +181,37 @@ def c128a_active_width(max_seq_len: int, capacity: int) -> int:
 def build(compress_ratio: int, block_size: int, num_speculative_tokens: int, width: int,
           query_start_loc: list[int], seq_lens: list[int], block_table: list[list[int]],
           slot_mapping: list[int], positions: list[int], num_actual_tokens: int,
-          max_query_len: int, buffer_len: int | None) -> dict:
-    """The whole per-step builder, composed from the functions above."""
+          max_query_len: int, buffer_len: int | None, dcp: tuple = (1, 0, 1),
+          treat_short_extends_as_decodes: bool = True, is_prefilling=None) -> dict:
+    """The whole per-step builder, composed from the functions above and, for
+    newer vLLM's rules (padding rows all -1, DCP, the short-extend split), the
+    ones in reference_upstream.py. ``dcp`` is (world size, rank, interleave)."""
+    import reference_upstream as upstream
+    world, rank, interleave = dcp
     req_id = token_to_req(query_start_loc, num_actual_tokens)          # §2.1
 
     slot = slot_mapping
     if compress_ratio > 1:                                              # §2.3
-        slot = compressed_slot_mapping(
-            num_actual_tokens, query_start_loc, seq_lens, block_table,
-            block_size // compress_ratio, compress_ratio,
-            out_len=buffer_len if buffer_len is not None else num_actual_tokens)
+        slot = upstream.compressed_slot_mapping_v2(
+            buffer_len if buffer_len is not None else num_actual_tokens, query_start_loc,
+            seq_lens, block_table, block_size // compress_ratio, compress_ratio,
+            buffer_len if buffer_len is not None else num_actual_tokens, world, rank, interleave)
 
+    nd, npf, nd_tok, np_tok = upstream.split_decodes_and_prefills_v2(  # §2.2 / §2.5
+        query_start_loc, num_actual_tokens, max_query_len, 1 + num_speculative_tokens, False,
+        treat_short_extends_as_decodes, is_prefilling)
     res = dict(req_id_per_token=req_id, slot_mapping=slot,
-               num_decodes=0, num_prefills=0, num_decode_tokens=0, num_prefill_tokens=0,
-               c128a_global_decode=None, c128a_decode_lens=None, c128a_prefill=None)
+               num_decodes=nd, num_prefills=npf, num_decode_tokens=nd_tok,
+               num_prefill_tokens=np_tok, c128a_global_decode=None, c128a_decode_lens=None,
+               c128a_prefill=None)
     if compress_ratio != 128:
         return res
-
-    nd, npf, nd_tok, np_tok = split_decodes_and_prefills(               # §2.2 / §2.5
-        query_start_loc, decode_threshold=1 + num_speculative_tokens,
-        num_actual_tokens=num_actual_tokens, max_query_len=max_query_len)
-    res.update(num_decodes=nd, num_prefills=npf,
-               num_decode_tokens=nd_tok, num_prefill_tokens=np_tok)
     total = nd_tok + np_tok
     if total > 0:                                                       # §2.6
-        gd, lens, pf = c128a_topk(positions[:total], 128, nd_tok, req_id,
-                                  block_table[:nd], block_size // 128,
-                                  slot_mapping, width)   # the INPUT (uncompressed) mapping
+        gd, lens, pf = upstream.c128a_topk_v2(
+            positions[:total], 128, nd_tok, req_id, block_table, block_size // 128,
+            slot_mapping, width, world, rank, interleave,
+            query_start_loc[-1] if world > 1 else None)   # the INPUT (uncompressed) mapping
         if nd_tok > 0:
             res["c128a_global_decode"] = gd
             res["c128a_decode_lens"] = lens

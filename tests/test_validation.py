@@ -50,8 +50,6 @@ def assert_untouched(args):
     (dict(decode_lens_buffer=np.full(1, POISON, I32)), ValueError, "decode_lens_buffer: expected at least 2 rows"),
     (dict(prefill_buffer=np.full((2, 256), POISON, I32)), ValueError, "prefill_buffer: expected at least 6 rows"),
     (dict(global_decode_buffer=np.full((4, 256), POISON, I64)), TypeError, "global_decode_buffer: expected dtype int32"),
-    (dict(token_to_req_indices=np.array([0, 7, 0, 0, 0, 0, 0, 0], I32)), ValueError,
-     r"token_to_req_indices: expected request ids in \[0, 3\) \(block_table rows\), got 7 at token 1"),
     (dict(positions="positions"), TypeError, "positions: expected a numpy, cupy or torch array, got str"),
 ])
 def test_c128a_rejects(changes, error, match):

@@ -27,8 +27,9 @@ def test_decode_position_1000(kind):
     table = [[7, 3, 9, 4] + [0] * 60]
     gd, lens, _ = c128a(kind, [1000, 1000], 2, table, slots=[5, -1])
     assert gd[0, :8].tolist() == [14, 15, 6, 7, 18, 19, 8, -1]
-    assert (gd[:, 7:] == -1).all() and (gd[0] == gd[1]).all()
-    assert lens.tolist() == [7, 0]          # the padding token (slot -1) gets length 0
+    assert (gd[0, 7:] == -1).all()
+    assert (gd[1] == -1).all()              # newer vLLM: a padding token's row is all -1 ...
+    assert lens.tolist() == [7, 0]          # ... and its length 0 (the seed kept the slots)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,90 @@
+"""Context parallelism over the compressed cache: argument checks and
+``get_dcp_local_seq_lens`` (vLLM's helper of the same name).
+
+Under decode context parallelism (DCP) the compressed rows of every request are
+dealt to ``world`` ranks ``interleave`` rows at a time; each rank stores its
+rows densely in its own cache (``spec.compressed_row_owner``). Experimental:
+upstream vLLM has DeepSeek-V4 DCP on a branch only.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import arrays
+from .scalars import check_int
+
+#: Bound of context-parallel world and interleave sizes.
+MAX_CP_SIZE = 1 << 16
+
+
+class ContextParallel(NamedTuple):
+    world_size: int
+    rank: int
+    interleave: int
+
+
+SINGLE_RANK = ContextParallel(1, 0, 1)
+
+
+def check_cp(world_size, rank, interleave, *, block_size: int | None = None,
+             names=("cp_world_size", "cp_rank", "cp_kv_cache_interleave_size")) -> ContextParallel:
+    """Checked context-parallel arguments. With ``block_size`` (the storage block)
+    and more than one rank, the block must hold whole interleave groups: a larger
+    interleave would land rows in blocks the request does not own."""
+    world_name, rank_name, interleave_name = names
+    world = check_int(world_name, world_size, minimum=1, maximum=MAX_CP_SIZE)
+    rank = check_int(rank_name, rank, minimum=0, maximum=world - 1)
+    interleave = check_int(interleave_name, interleave, minimum=1, maximum=MAX_CP_SIZE)
+    if block_size is not None and world > 1 and block_size % interleave:
+        raise ValueError(f"{interleave_name}: expected a divisor of the storage block size "
+                         f"{block_size} when {world_name} > 1, got {interleave}")
+    return ContextParallel(world, rank, interleave)
+
+
+def merge_aliases(name: str, value, alias: str, alias_value, default):
+    """``value`` or its ``dcp_*`` alias; both given and different is an error."""
+    if alias_value is None:
+        return default if value is None else value
+    if value is not None and value != alias_value:
+        raise ValueError(f"{alias}: conflicts with {name} ({alias}={alias_value!r}, "
+                         f"{name}={value!r}); pass one of them")
+    return alias_value
+
+
+def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = None,
+                           cp_kv_cache_interleave_size: int = 1):
+    """Rows of each sequence that DCP rank ``dcp_rank`` stores.
+
+    Parameters
+    ----------
+    seq_lens : int array ``[N]`` (numpy, cupy or torch) or an int
+        Lengths, in the rows being sharded (tokens, or compressed rows).
+    dcp_size, dcp_rank, cp_kv_cache_interleave_size : int
+        ``dcp_rank=None`` returns every rank's count.
+
+    Returns
+    -------
+    ``[N]`` (or ``[N, dcp_size]`` with ``dcp_rank=None``) of the input's kind and
+    dtype: ``base + clip(s - base * dcp_size - rank * I, 0, I)`` with
+    ``base = s // I // dcp_size * I``.
+    """
+    world, _, interleave = check_cp(dcp_size, 0, cp_kv_cache_interleave_size,
+                                    names=("dcp_size", "dcp_rank",
+                                           "cp_kv_cache_interleave_size"))
+    if dcp_rank is not None:
+        check_int("dcp_rank", dcp_rank, minimum=0, maximum=world - 1)
+    if isinstance(seq_lens, int) or arrays.kind_of(seq_lens) is None:
+        seq_lens = check_int("seq_lens", seq_lens, minimum=0)
+
+    def local(rank):
+        base = seq_lens // interleave // world * interleave
+        extra = seq_lens - base * world - rank * interleave
+        extra = extra * (extra > 0)                                   # clip at 0
+        return base + extra - (extra - interleave) * (extra > interleave)   # clip at I
+
+    if dcp_rank is not None:
+        return local(dcp_rank)
+    columns = [local(rank) for rank in range(world)]
+    if isinstance(seq_lens, int):
+        return columns
+    return arrays.stack_columns(columns)

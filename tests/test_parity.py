@@ -1,0 +1,313 @@
+"""Parity with newer vLLM (shared/spec/parity.md): every worked example on every
+array kind, the short-extend split, padding rows, slot-mapping signatures and
+decode context parallelism (brute force over world sizes, interleaves, ranks)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+import reference_upstream as upstream
+from batches import POISON, make_batch
+from conftest import GPU_KINDS, HAS_TORCH, HOST_KINDS, to_kind, to_numpy
+from test_builder import MAX_TOKENS, common_metadata
+
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+I32, I64 = np.int32, np.int64
+HOST_ARRAYS = ["numpy"] + (["torch_cpu"] if HAS_TORCH else [])
+
+
+# --- §1 the short-extend split ----------------------------------------------------------
+SPLIT_CASES = [   # qsl, T, threshold, uniform, is_prefilling, flag False, flag True
+    ("S1", [0, 1, 2], 2, 1, True, [False, True], (1, 1, 1, 1), (2, 0, 2, 0)),
+    ("S2", [0, 2, 4, 6, 8], 8, 2, False, [False, False, True, False], (2, 2, 4, 4), (4, 0, 8, 0)),
+    ("S3", [0, 2, 4, 6, 6], 8, 3, True, [False] * 4, (3, 1, 6, 2), (4, 0, 8, 0)),
+    ("S4", [0, 1, 1], 1, 1, False, [True, False], (0, 2, 0, 1), None),
+    ("S5", [0, 2, 4, 5, 105], 105, 2, False, [False, True, False, True], (1, 3, 2, 103),
+     (3, 1, 5, 100)),
+]
+
+
+@pytest.mark.parametrize("kind", HOST_ARRAYS)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c[0])
+def test_split_worked_examples(case, kind):
+    _, qsl, total, threshold, uniform, prefilling, want_false, want_true = case
+    q = np.array(qsl, I32)
+    metadata = d4.CommonAttentionMetadata(
+        query_start_loc=None, query_start_loc_cpu=to_kind(q, kind), seq_lens=None,
+        block_table_tensor=None, slot_mapping=None, num_reqs=len(qsl) - 1,
+        num_actual_tokens=total, max_query_len=int(np.diff(q).max()), max_seq_len=0,
+        is_prefilling=to_kind(np.array(prefilling), kind))
+    got = d4.split_decodes_and_prefills(metadata, threshold, uniform, False)
+    assert got == want_false
+    assert upstream.split_decodes_and_prefills_v2(qsl, total, int(np.diff(q).max()), threshold,
+                                                  uniform, False, prefilling) == want_false
+    if want_true is not None:
+        assert d4.split_decodes_and_prefills(metadata, threshold, uniform) == want_true
+    # a bare query_start_loc takes is_prefilling as a keyword
+    bare = d4.split_decodes_and_prefills(to_kind(q, kind), threshold, uniform, False,
+                                         is_prefilling=np.array(prefilling),
+                                         num_actual_tokens=total)
+    assert bare == want_false
+
+
+def test_split_takes_the_threshold_positionally_and_an_empty_batch():
+    assert d4.split_decodes_and_prefills(np.array([0, 1, 3], I32), 2) == (2, 0, 3, 0)
+    assert d4.split_decodes_and_prefills(np.array([0], I32), 2, False, False) == (0, 0, 0, 0)
+
+
+def test_split_without_is_prefilling_when_needed_is_a_clear_error():
+    with pytest.raises(ValueError, match="is_prefilling: required when "
+                                         "treat_short_extends_as_decodes is False"):
+        d4.split_decodes_and_prefills(np.array([0, 1, 2], I32), 1, False, False)
+    with pytest.raises(TypeError, match="is_prefilling: expected dtype bool"):
+        d4.split_decodes_and_prefills(np.array([0, 1, 2], I32), 1, False, False,
+                                      is_prefilling=np.array([0, 1], I32))
+
+
+@pytest.mark.gpu
+def test_split_refuses_a_device_is_prefilling():
+    import cupy
+    with pytest.raises(TypeError, match="is_prefilling: expected a host bool array"):
+        d4.split_decodes_and_prefills(np.array([0, 1, 2], I32), 1, False, False,
+                                      is_prefilling=cupy.zeros(2, bool))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_builder_passes_the_flag_and_is_prefilling(kind):
+    batch = make_batch([1, 1, 1, 40], [500, 900, 3000, 0], threshold=1)
+    builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, MAX_TOKENS, width_policy="capacity",
+                                           treat_short_extends_as_decodes=False,
+                                           like=to_kind(np.zeros(1, I32), kind))
+    cm = common_metadata(batch, kind)
+    cm.is_prefilling = np.array([False, True, False, True])
+    md = builder.build(0, cm)
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == (
+        1, 3, 1, 42)
+    want = upstream.c128a_topk_v2(batch.positions.tolist(), 128, 1, batch.token_map().tolist(),
+                                  batch.block_table.tolist(), 2, batch.slot_mapping.tolist(),
+                                  builder.capacity)
+    np.testing.assert_array_equal(to_numpy(md.c128a_global_decode_topk_indices)[:, 0], want[0])
+    np.testing.assert_array_equal(to_numpy(md.c128a_prefill_topk_indices), want[2])
+
+
+# --- §3 padding rows ---------------------------------------------------------------------
+def run_c128a(kind, positions, nd, token_to_req, table, block_size, slots, width, **kwargs):
+    gd = to_kind(np.full((nd + 2, width + 3), POISON, I32), kind)
+    lens = to_kind(np.full(nd + 2, POISON, I32), kind)
+    pf = to_kind(np.full((len(positions) - nd + 2, width + 3), POISON, I32), kind)
+    d4.build_c128a_topk_metadata(
+        to_kind(np.array(positions, I64), kind), 128, nd, to_kind(np.array(token_to_req, I32), kind),
+        to_kind(np.array(table, I32), kind), block_size, to_kind(np.array(slots, I64), kind),
+        gd, lens, pf, max_compressed_tokens=width, **kwargs)
+    gd, lens, pf = to_numpy(gd), to_numpy(lens), to_numpy(pf)
+    assert (gd[nd:] == POISON).all() and (gd[:, width:] == POISON).all()
+    assert (lens[nd:] == POISON).all() and (pf[len(positions) - nd:] == POISON).all()
+    return gd[:nd, :width], lens[:nd], pf[:len(positions) - nd, :width]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_p1_padding_decode_row_is_all_minus_one(kind):
+    gd, lens, pf = run_c128a(kind, [255, 511, 383, 639], 2, [0, 1, 0, 1], [[3], [5]], 512,
+                             [0, -1, 2, 3], 4)
+    assert gd.tolist() == [[1536, 1537, -1, -1], [-1, -1, -1, -1]]
+    assert lens.tolist() == [2, 0] and pf.tolist() == [[0, 1, 2, -1], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_p2_padding_row_reads_no_table(kind):
+    gd, lens, pf = run_c128a(kind, [1000, 300, 300], 2, [0, 1, 1],
+                             [[7, 3, 9, 4], [2, 2, 2, 2]], 2, [5, -1, 9], 128)
+    assert gd[0, :8].tolist() == [14, 15, 6, 7, 18, 19, 8, -1] and (gd[1] == -1).all()
+    assert lens.tolist() == [7, 0] and pf[0, :3].tolist() == [0, 1, -1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_p3_padding_with_a_stale_huge_position_writes_minus_one_only(kind):
+    gd, lens, _ = run_c128a(kind, [1_048_575], 1, [0], [[4]], 2, [-1], 8192)
+    assert (gd == -1).all() and lens.tolist() == [0]
+
+
+# --- §2 decode context parallelism ---------------------------------------------------------
+D_TABLE = [[30 + 8 * i + j for j in range(8)] for i in range(3)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world,rank,rows,lens", [
+    (1, 0, [list(range(60, 68)), list(range(76, 92)), [92]], [8, 16, 1]),            # D1
+    (2, 0, [[60, 61, 62, 63], list(range(76, 84)), [92]], [4, 8, 1]),                 # D2
+    (2, 1, [[60, 61, 62, 63], list(range(76, 84)), []], [4, 8, 0]),
+    (4, 0, [[60, 61], [76, 77, 78, 79], [92]], [2, 4, 1]),                             # D3
+    (4, 3, [[60, 61], [76, 77, 78, 79], []], [2, 4, 0]),
+])
+def test_d1_to_d3_owned_rows_packed_to_the_front(kind, world, rank, rows, lens):
+    gd, got_lens, _ = run_c128a(kind, [1023, 2047, 127], 3, [0, 1, 2], D_TABLE, 2, [0, 1, 2],
+                                128, dcp_world_size=world, dcp_rank=rank)
+    assert got_lens.tolist() == lens
+    for row, want in zip(gd, rows):
+        assert row[:len(want)].tolist() == want and (row[len(want):] == -1).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rank,want", [(0, [40, 41, 42, 43, 44, 45]), (1, [40, 41, 42, 43])])
+def test_d4_interleave_two(kind, rank, want):
+    gd, lens, _ = run_c128a(kind, [1279], 1, [0], [list(range(10, 20))], 4, [0], 128,
+                            dcp_world_size=2, dcp_rank=rank, cp_kv_cache_interleave_size=2)
+    assert lens.tolist() == [len(want)] == [d4.get_dcp_local_seq_lens(10, 2, rank, 2)]
+    assert gd[0, :len(want)].tolist() == want and (gd[0, len(want):] == -1).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_d5_validity_under_dcp_is_num_valid_tokens_not_the_slot(kind):
+    _, lens, _ = run_c128a(kind, [1023] * 3, 3, [0, 0, 0], D_TABLE, 2, [-1, 0, -1], 128,
+                           dcp_world_size=2, dcp_rank=0, num_valid_tokens=2)
+    assert lens.tolist() == [4, 4, 0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_d6_get_dcp_local_seq_lens(kind):
+    seq = to_kind(np.array([7, 1, 0, 13], I32), kind)
+    assert to_numpy(d4.get_dcp_local_seq_lens(seq, 4)).tolist() == [
+        [2, 2, 2, 1], [1, 0, 0, 0], [0, 0, 0, 0], [4, 3, 3, 3]]
+    assert to_numpy(d4.get_dcp_local_seq_lens(seq, 4, 1)).tolist() == [2, 0, 0, 3]
+    for s in range(0, 70):
+        for world in (1, 2, 3, 4):
+            for interleave in (1, 2, 4):
+                assert d4.get_dcp_local_seq_lens(s, world, None, interleave) == \
+                    upstream.dcp_local_seq_lens([s], world, None, interleave)[0]
+
+
+def dcp_sweep(kind, worlds, interleaves):
+    """Every rank's rows, mapped back to logical rows, cover each visible row of
+    the single-rank row exactly once, with the single-rank local slot formula."""
+    rng = np.random.default_rng(7)
+    positions = [int(p) for p in rng.integers(0, 70_000, 12)] + [0, 127, 255, 65_535]
+    nd = len(positions)
+    width, bs = 640, 64
+    table = rng.integers(0, 10_000, (nd, 20), dtype=I32)
+    token_to_req = list(range(nd))
+    single, single_lens, _ = run_c128a(kind, positions, nd, token_to_req, table, bs, [0] * nd,
+                                       width)
+    for world in worlds:
+        for interleave in interleaves:
+            if bs % interleave:
+                continue
+            seen = [[] for _ in range(nd)]
+            for rank in range(world):
+                gd, lens, _ = run_c128a(kind, positions, nd, token_to_req, table, bs, [0] * nd,
+                                        width, dcp_world_size=world, dcp_rank=rank,
+                                        cp_kv_cache_interleave_size=interleave)
+                want = upstream.c128a_topk_v2(positions, 128, nd, token_to_req, table.tolist(),
+                                              bs, [0] * nd, width, world, rank, interleave)
+                np.testing.assert_array_equal(gd, want[0])
+                np.testing.assert_array_equal(lens, want[1])
+                for t in range(nd):
+                    assert lens[t] == d4.get_dcp_local_seq_lens(int(single_lens[t]), world,
+                                                                 rank, interleave)
+                    for k in range(lens[t]):
+                        e = (k // interleave * world + rank) * interleave + k % interleave
+                        assert gd[t, k] == table[t, k // bs] * bs + k % bs
+                        seen[t].append(e)
+            for t in range(nd):
+                assert sorted(seen[t]) == list(range(single_lens[t])), (world, interleave, t)
+
+
+@pytest.mark.parametrize("kind", HOST_KINDS[:1])
+def test_dcp_brute_force_every_world_interleave_and_rank_cpu(kind):
+    dcp_sweep(kind, range(1, 9), (1, 2, 4, 8, 16, 32, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_dcp_brute_force_every_world_interleave_and_rank_gpu(kind):
+    dcp_sweep(kind, range(1, 9), (1, 2, 4, 8, 16, 32, 64))
+
+
+def test_dcp_interleave_must_divide_the_storage_block():
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size: expected a divisor of "
+                                         "the storage block size 2"):
+        run_c128a("numpy", [1023], 1, [0], D_TABLE, 2, [0], 128, dcp_world_size=2,
+                  cp_kv_cache_interleave_size=4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 3)])
+def test_builder_under_dcp_equals_the_ops(kind, world, rank):
+    batch = make_batch([1, 1, 2, 30], [70_000, 5_000, 1_000, 9_000], pad_tokens=3, threshold=2)
+    builder = d4.DeepseekV4MetadataBuilder(128, 1 << 17, MAX_TOKENS, width_policy="capacity",
+                                           num_speculative_tokens=1, dcp_world_size=world,
+                                           dcp_rank=rank, like=to_kind(np.zeros(1, I32), kind))
+    md = builder.build(0, common_metadata(batch, kind))
+    import reference as ref
+    want = ref.build(128, 256, 1, builder.capacity, batch.qsl.tolist(), batch.seq_lens.tolist(),
+                     batch.block_table.tolist(), batch.slot_mapping.tolist(),
+                     batch.positions.tolist(), batch.num_tokens, batch.max_query_len, MAX_TOKENS,
+                     dcp=(world, rank, 1))
+    np.testing.assert_array_equal(to_numpy(builder.compressed_slot_mapping_buffer),
+                                  want["slot_mapping"])
+    nd = md.num_decode_tokens
+    np.testing.assert_array_equal(to_numpy(md.c128a_global_decode_topk_indices)[:, 0],
+                                  np.array(want["c128a_global_decode"]).reshape(nd, -1))
+    np.testing.assert_array_equal(to_numpy(md.c128a_decode_topk_lens), want["c128a_decode_lens"])
+
+
+# --- §4 slot-mapping signatures ----------------------------------------------------------------
+def slots(kind, num_tokens, qsl, seq, table, block_size, ratio, *args, **kwargs):
+    out = to_kind(np.full(num_tokens + 2, POISON, I64), kind)
+    got = d4.get_compressed_slot_mapping(num_tokens, to_kind(np.array(qsl, I32), kind),
+                                         to_kind(np.array(seq, I32), kind),
+                                         to_kind(np.array(table, I32), kind), block_size, ratio,
+                                         out, *args, **kwargs)
+    assert to_numpy(got).shape == (num_tokens,)
+    return to_numpy(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_c1_token_slot_mapping_rule(kind):
+    qsl, seq, table = [0, 133], [260], [[7, 9]]
+    got = slots(kind, 133, qsl, seq, table, 2, 128)
+    assert got[0] == 14 and got[128] == 15 and (np.delete(got, [0, 128]) == -1).all()
+    own = np.zeros(133, I64)
+    own[0] = -1
+    got = slots(kind, 133, qsl, seq, table, 2, 128, token_slot_mapping=to_kind(own, kind))
+    assert got[128] == 15 and (np.delete(got, [128]) == -1).all()
+    # ignored with more than one rank (another rank may own the token)
+    got = slots(kind, 133, qsl, seq, table, 2, 128, 2, 0, token_slot_mapping=to_kind(own, kind))
+    assert got[0] == 14
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_c2_positional_context_parallel_arguments(kind):
+    for rank, want in ((0, {3: 192, 11: 193}), (1, {7: 192, 15: 193})):
+        got = slots(kind, 16, [0, 16], [16], [[3, 8]], 64, 4, 2, rank, 1)   # vLLM's B order
+        assert {i: int(v) for i, v in enumerate(got[:16]) if v >= 0} == want
+        alias = slots(kind, 16, [0, 16], [16], [[3, 8]], 64, 4, dcp_world_size=2, dcp_rank=rank)
+        np.testing.assert_array_equal(alias, got)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_c3_world_two_ratio_128(kind):
+    for rank, entries in ((0, [127, 383, 639, 895]), (1, [255, 511, 767, 1023])):
+        got = slots(kind, 1024, [0, 1024], [1024], [[30, 31, 32, 33]], 2, 128, 2, rank)
+        assert {i: int(v) for i, v in enumerate(got[:1024]) if v >= 0} == dict(
+            zip(entries, [60, 61, 62, 63]))
+
+
+def test_conflicting_aliases_are_an_error():
+    with pytest.raises(ValueError, match="dcp_rank: conflicts with cp_rank"):
+        slots("numpy", 16, [0, 16], [16], [[3, 8]], 64, 4, 2, 0, dcp_world_size=2, dcp_rank=1)
+    # the same value under both names is fine
+    slots("numpy", 16, [0, 16], [16], [[3, 8]], 64, 4, 2, 1, dcp_world_size=2, dcp_rank=1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokens_at_or_past_num_tokens_get_no_slot(kind):
+    got = slots(kind, 200, [0, 260], [260], [[7, 9, 11]], 2, 128)
+    assert got[127] == 14 and (got[200:] == -1).all()
+
+
+def test_c128a_width_defaults_to_8192_without_a_sync():
+    gd, _, pf = d4.build_c128a_topk_metadata(np.array([5, 3000], I64), 128, 1,
+                                            np.zeros(1, I32), np.zeros((1, 64), I32), 2,
+                                            np.zeros(2, I64))
+    assert gd.shape == (1, 8192) and pf.shape == (1, 8192)
