@@ -293,24 +293,28 @@ class DeepseekV4MetadataBuilder:
 
     def _run_cpu(self, cm, num_tokens, c128a_tokens, num_decode_tokens, width, valid_tokens):
         kind, cp = self.kind, self.cp
-        host = arrays.host_view
-        qsl = host(cm.query_start_loc, kind)[:cm.num_reqs + 1]     # as the GPU path reads it
-        req = host(self.req_id_per_token_buffer, kind)[:num_tokens]
+        view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
+        qsl = view(cm.query_start_loc, kind)[:cm.num_reqs + 1]     # as the GPU path reads it
+        req = view(self.req_id_per_token_buffer, kind)[:num_tokens]
         cpu.token_to_req_indices(qsl, np.int64(num_tokens), req)
-        table = host(cm.block_table_tensor, kind)
+        rows, cols = arrays.probe("block_table_tensor", cm.block_table_tensor).shape
+        table, table_stride = view_2d(cm.block_table_tensor, kind)
         if self.compress_ratio > 1:
-            slots = host(self.compressed_slot_mapping_buffer, kind)
+            slots = view(self.compressed_slot_mapping_buffer, kind)
             cpu.compressed_slot_mapping(
-                qsl, host(cm.seq_lens, kind), table, np.int64(self.storage_block_size),
-                np.int64(self.compress_ratio), np.int64(cp.world_size), np.int64(cp.rank),
-                np.int64(cp.interleave), np.int64(slots.shape[0]), slots, False, slots)
+                qsl, view(cm.seq_lens, kind), table, table_stride, np.int64(rows),
+                np.int64(cols), np.int64(self.storage_block_size), np.int64(self.compress_ratio),
+                np.int64(cp.world_size), np.int64(cp.rank), np.int64(cp.interleave),
+                np.int64(slots.shape[0]), slots, False, slots)
         if c128a_tokens:
+            capacity = np.int64(self.capacity)
             cpu.c128a_topk_metadata(
-                host(cm.positions, kind)[:c128a_tokens], np.int64(128),
-                np.int64(num_decode_tokens), req, table, np.int64(self.storage_block_size),
-                host(cm.slot_mapping, kind), np.int64(width),
-                host(self.c128a_global_decode_buffer, kind),
-                host(self.c128a_decode_lens_buffer, kind), host(self.c128a_prefill_buffer, kind),
+                view(cm.positions, kind)[:c128a_tokens], np.int64(128),
+                np.int64(num_decode_tokens), req, table, table_stride, np.int64(rows),
+                np.int64(cols), np.int64(self.storage_block_size), view(cm.slot_mapping, kind),
+                np.int64(width), view(self.c128a_global_decode_buffer.reshape(-1), kind),
+                capacity, view(self.c128a_decode_lens_buffer, kind),
+                view(self.c128a_prefill_buffer.reshape(-1), kind), capacity,
                 np.int64(cp.world_size), np.int64(cp.rank), np.int64(cp.interleave),
                 np.int64(valid_tokens))
 

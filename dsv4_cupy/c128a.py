@@ -146,12 +146,16 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                                                 row_blocks=chunks[2]),
                 num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
     else:
-        host = arrays.host_view
+        view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
+        flat_table, table_stride = view_2d(block_table, kind)
+        flat_decode, decode_stride = view_2d(global_decode.array, kind)
+        flat_prefill, prefill_stride = view_2d(prefill.array, kind)
         cpu.c128a_topk_metadata(
-            host(positions, kind), np.int64(compress_ratio), np.int64(num_decode_tokens),
-            host(token_to_req_indices, kind), host(block_table, kind), np.int64(block_size),
-            host(slot_mapping, kind), np.int64(width), host(global_decode.array, kind),
-            host(lens.array, kind), host(prefill.array, kind), np.int64(cp.world_size),
-            np.int64(cp.rank), np.int64(cp.interleave), np.int64(valid_tokens))
+            view(positions, kind), np.int64(compress_ratio), np.int64(num_decode_tokens),
+            view(token_to_req_indices, kind), flat_table, table_stride, np.int64(table.shape[0]),
+            np.int64(table.shape[1]), np.int64(block_size), view(slot_mapping, kind),
+            np.int64(width), flat_decode, decode_stride, view(lens.array, kind), flat_prefill,
+            prefill_stride, np.int64(cp.world_size), np.int64(cp.rank), np.int64(cp.interleave),
+            np.int64(valid_tokens))
     return (global_decode.array[:num_decode_tokens, :width], lens.array[:num_decode_tokens],
             prefill.array[:num_prefill_tokens, :width])

@@ -1,7 +1,10 @@
 """The CPU path: numba kernels, one per op, shaped like the CUDA ones.
 
-They receive arrays that the ops already checked (numpy views; torch CPU memory
-arrives through DLPack) and scalars already typed as np.int64. Integer division
+They receive arrays that the ops already checked, as ``arrays.kernel_view`` and
+``kernel_view_2d`` give them: 1-D, contiguous and writable (torch CPU memory
+arrives through DLPack), a 2-D array as its flat view plus its row stride, so
+any row stride or read-only input hits a signature ``warmup()`` compiled.
+Scalars are already typed as np.int64 (or bool). Integer division
 of possibly negative values truncates toward zero, as the seed's Triton kernel
 does (C semantics), through ``_div_trunc``.
 """
@@ -40,9 +43,9 @@ def token_to_req_indices(qsl, num_tokens, out):
 
 
 @njit(cache=True)
-def compressed_slot_mapping(qsl, seq_lens, block_table, block_size, compress_ratio,
-                            cp_world_size, cp_rank, cp_interleave, num_tokens, token_slots,
-                            use_token_slots, out):
+def compressed_slot_mapping(qsl, seq_lens, table, table_stride, table_rows, table_cols,
+                            block_size, compress_ratio, cp_world_size, cp_rank, cp_interleave,
+                            num_tokens, token_slots, use_token_slots, out):
     """Fills all of ``out`` with -1, then writes each group-closing token's slot.
 
     Only tokens below ``min(num_tokens, len(out))`` get a slot, so the loop is
@@ -52,11 +55,10 @@ def compressed_slot_mapping(qsl, seq_lens, block_table, block_size, compress_rat
     negative gets no compressed slot either.
     """
     out[:] = -1
-    num_rows, num_cols = block_table.shape
     virtual_block = block_size * cp_world_size
     limit = min(num_tokens, out.shape[0])
     own_slot_rule = use_token_slots and cp_world_size == 1
-    for b in range(num_rows):
+    for b in range(table_rows):
         qs = np.int64(qsl[b])
         qe = np.int64(qsl[b + 1])
         start = np.int64(seq_lens[b]) - (qe - qs)
@@ -69,10 +71,11 @@ def compressed_slot_mapping(qsl, seq_lens, block_table, block_size, compress_rat
             c = pos // compress_ratio
             blk = c // virtual_block
             v = c - blk * virtual_block
-            if (v // cp_interleave) % cp_world_size != cp_rank or blk >= num_cols:
+            if (v // cp_interleave) % cp_world_size != cp_rank or blk >= table_cols:
                 continue
             off = (v // (cp_world_size * cp_interleave)) * cp_interleave + v % cp_interleave
-            out[idx] = np.int64(max(block_table[b, blk], 0)) * block_size + off
+            entry = np.int64(table[b * table_stride + blk])
+            out[idx] = max(entry, 0) * block_size + off
 
 
 @njit(cache=True, inline="always")
@@ -85,32 +88,33 @@ def _owned_rows(n, cp_world_size, cp_rank, cp_interleave):
 
 
 @njit(cache=True, parallel=True)
-def c128a_topk_metadata(positions, compress_ratio, num_decode_tokens, token_to_req, block_table,
-                        block_size, slot_mapping, width, global_decode, decode_lens, prefill,
+def c128a_topk_metadata(positions, compress_ratio, num_decode_tokens, token_to_req, table,
+                        table_stride, table_rows, table_cols, block_size, slot_mapping, width,
+                        global_decode, decode_stride, decode_lens, prefill, prefill_stride,
                         cp_world_size, cp_rank, cp_interleave, num_valid_tokens):
     """Rows of ``width`` columns: decode rows get global (rank-local under DCP)
     slot ids and a length, prefill rows get local indices; -1 past the count.
     A decode token that is not valid (slot < 0, or t >= num_valid_tokens when
     that is >= 0) or whose request is outside the table gets -1 and length 0;
     rows past the table row's blocks are -1 and not counted."""
-    num_rows, num_cols = block_table.shape
     for t in prange(positions.shape[0]):
         n = max(min(_div_trunc(np.int64(positions[t]) + 1, compress_ratio), width), 0)
         if t < num_decode_tokens:
-            req = token_to_req[t]
+            req = np.int64(token_to_req[t])
             valid = slot_mapping[t] >= 0 if num_valid_tokens < 0 else t < num_valid_tokens
             count = 0
-            if valid and 0 <= req < num_rows:
+            if valid and 0 <= req < table_rows:
                 count = min(_owned_rows(n, cp_world_size, cp_rank, cp_interleave),
-                            num_cols * block_size)
-            row = global_decode[t]
+                            table_cols * block_size)
+            row = t * decode_stride
             for e in range(count):
                 # int32 product as in the seed (wraps the same way).
-                row[e] = np.int32(block_table[req, e // block_size] * block_size + e % block_size)
-            row[count:width] = -1
+                global_decode[row + e] = np.int32(
+                    table[req * table_stride + e // block_size] * block_size + e % block_size)
+            global_decode[row + count:row + width] = -1
             decode_lens[t] = count
         else:
-            row = prefill[t - num_decode_tokens]
+            row = (t - num_decode_tokens) * prefill_stride
             for e in range(n):
-                row[e] = e
-            row[n:width] = -1
+                prefill[row + e] = e
+            prefill[row + n:row + width] = -1

@@ -100,13 +100,14 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
                 token_slots=token_slots.ptr if token_slots is not None else 0, out=out.ptr,
                 out_len=out_len, num_tokens=num_tokens)
     else:
-        host = arrays.host_view
+        flat_table, table_stride = arrays.kernel_view_2d(block_table, kind)
         cpu.compressed_slot_mapping(
-            host(query_start_loc, kind), host(seq_lens, kind), host(block_table, kind),
+            arrays.kernel_view(query_start_loc, kind), arrays.kernel_view(seq_lens, kind),
+            flat_table, table_stride, np.int64(num_rows), np.int64(table.shape[1]),
             np.int64(block_size), np.int64(compress_ratio), np.int64(cp.world_size),
             np.int64(cp.rank), np.int64(cp.interleave), np.int64(num_tokens),
-            host(token_slot_mapping, kind) if token_slots is not None else _NO_TOKEN_SLOTS,
-            token_slots is not None, host(out.array, kind))
+            arrays.kernel_view(token_slot_mapping, kind) if token_slots is not None
+            else _NO_TOKEN_SLOTS, token_slots is not None, arrays.kernel_view(out.array, kind))
     return out.array[:num_tokens]
 
 

@@ -48,6 +48,6 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
                                                  num_reqs=qsl.shape[0] - 1),
                 out=out.ptr, num_tokens=num_tokens)
     else:
-        cpu.token_to_req_indices(arrays.host_view(query_start_loc, kind), np.int64(num_tokens),
-                                 arrays.host_view(out.array, kind))
+        cpu.token_to_req_indices(arrays.kernel_view(query_start_loc, kind), np.int64(num_tokens),
+                                 arrays.kernel_view(out.array, kind))
     return out.array[:num_tokens]

@@ -64,4 +64,4 @@ def test_demo_runs_on_this_machine():
 
 def test_cpu_warmup_covers_every_dtype():
     done = d4.warmup(gpu=False, cpu=True)
-    assert len(done["cpu"]) == 6 and done["gpu"] == []
+    assert len(done["cpu"]) == 7 and done["gpu"] == []
