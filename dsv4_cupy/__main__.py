@@ -77,6 +77,12 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
+    from .device import has_gpu
+    if not args.cpu_only and not has_gpu():
+        print("bench: the GPU benchmark needs a CUDA GPU and none was found (no GPU or no "
+              "NVIDIA driver); run `python -m dsv4_cupy bench --cpu-only` for the CPU path's "
+              "benchmark", file=sys.stderr)
+        return 2
     from .bench.cli import main
     return main(args)
 

@@ -90,14 +90,18 @@ def probe(name: str, x) -> Operand | None:
         return Operand(name, x, TORCH_CPU, -1, _torch_dtype(x.dtype), x.shape, x.stride(),
                        x.data_ptr())
     if family is _CUPY:
-        itemsize = x.itemsize
         return Operand(name, x, CUPY, x.data.device_id, x.dtype, x.shape,
-                       tuple(s // itemsize for s in x.strides), x.data.ptr)
+                       _element_strides(x.strides, x.itemsize), x.data.ptr)
     if family is NUMPY:
-        itemsize = x.itemsize
         return Operand(name, x, NUMPY, -1, x.dtype, x.shape,
-                       tuple(s // itemsize for s in x.strides), x.__array_interface__["data"][0])
+                       _element_strides(x.strides, x.itemsize), x.__array_interface__["data"][0])
     raise TypeError(f"{name}: expected a numpy, cupy or torch array, got {type(x).__name__}")
+
+
+def _element_strides(byte_strides: tuple, itemsize: int) -> tuple:
+    """Strides in elements; None for a byte stride that is not a whole number of
+    elements (``check`` refuses it: a kernel would read the wrong elements)."""
+    return tuple(s // itemsize if s % itemsize == 0 else None for s in byte_strides)
 
 
 def kind_of(x) -> str | None:
@@ -167,10 +171,19 @@ def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
     if len(shape) != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(shape)}")
     if min_len is not None and shape[0] < min_len:
-        raise ValueError(f"{name}: expected at least {min_len} rows, got shape {tuple(shape)}")
+        what = "elements" if ndim == 1 else "rows"
+        raise ValueError(f"{name}: expected at least {min_len} {what}, got shape "
+                         f"{tuple(shape)}")
     if min_cols is not None and shape[1] < min_cols:
         raise ValueError(f"{name}: expected at least {min_cols} columns, got shape "
                          f"{tuple(shape)}")
+    itemsize = op.dtype.itemsize
+    if None in op.strides:
+        raise ValueError(f"{name}: expected strides that are multiples of the item size "
+                         f"({itemsize} bytes), got byte strides {op.array.strides}")
+    if op.ptr % itemsize:
+        raise ValueError(f"{name}: expected an address aligned to the item size ({itemsize} "
+                         f"bytes), got 0x{op.ptr:x}")
     if not _rows_contiguous(op):
         raise ValueError(f"{name}: expected a C-contiguous array (2-D: contiguous rows, any row "
                          f"stride), got strides {op.strides} (elements); pass a contiguous copy")
@@ -202,18 +215,50 @@ def _span(op: Operand) -> tuple[int, int]:
     return op.ptr, op.ptr + last * op.dtype.itemsize
 
 
+def _row_bytes(op: Operand) -> tuple[int, int, int]:
+    """(rows, row stride, row width) in bytes of a checked array (1-D: one row)."""
+    itemsize = op.dtype.itemsize
+    if len(op.shape) == 1:
+        return 1, 0, op.shape[0] * itemsize
+    return op.shape[0], op.strides[0] * itemsize, op.shape[1] * itemsize
+
+
+def _overlap(a: Operand, b: Operand) -> bool:
+    """Whether two checked arrays share a byte. Exact for rows of one stride
+    (interleaved column slices of one buffer do not overlap); otherwise the
+    spans are compared."""
+    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    if not (a_lo < b_hi and b_lo < a_hi):
+        return False
+    a_rows, a_stride, a_width = _row_bytes(a)
+    b_rows, b_stride, b_width = _row_bytes(b)
+    if a_rows > 1 and b_rows > 1 and a_stride != b_stride:
+        return True
+    stride = a_stride if a_rows > 1 else (b_stride if b_rows > 1 else 0)
+    if stride == 0 or a_width > stride or b_width > stride:
+        return True
+    # Row i of a meets row k of b iff d - a_width < (i - k) * stride < d + b_width
+    # with d = b_lo - a_lo: try the one or two row distances m = i - k that can.
+    distance = b_lo - a_lo
+    low, high = -(b_rows - 1) if b_rows > 1 else 0, a_rows - 1
+    first = max(low, (distance - a_width) // stride)
+    for m in range(first, min(high, (distance + b_width) // stride + 1) + 1):
+        if distance - a_width < m * stride < distance + b_width:
+            return True
+    return False
+
+
 def check_no_alias(outputs: list, inputs: list) -> None:
     """Outputs must not overlap inputs or each other (a kernel would read what it wrote)."""
-    spans = [(op.name, _span(op)) for op in inputs if op is not None]
+    others = [op for op in inputs if op is not None]
     for op in outputs:
         if op is None:
             continue
-        lo, hi = _span(op)
-        for other, (olo, ohi) in spans:
-            if lo < ohi and olo < hi:
-                raise ValueError(f"{op.name}: output memory overlaps {other}; "
+        for other in others:
+            if _overlap(op, other):
+                raise ValueError(f"{op.name}: output memory overlaps {other.name}; "
                                  f"pass separate buffers for outputs and inputs")
-        spans.append((op.name, (lo, hi)))
+        others.append(op)
 
 
 def block_table_group(op: Operand) -> tuple:
@@ -365,8 +410,20 @@ def to_torch(x):
 
 def output(name: str, op: Operand | None, kind: str, device: int, dtype: np.dtype, rows: int,
            cols: int | None = None) -> Operand:
-    """A probed ``out`` checked to hold ``rows`` (x ``cols``) of ``dtype``, or a new array."""
+    """A probed ``out`` checked to hold ``rows`` (x ``cols``) of ``dtype`` and to be
+    writable, or a new array (a ``MemoryError`` naming it when it cannot be had)."""
+    shape = (rows,) if cols is None else (rows, cols)
     if op is None:
-        return probe(name, empty(kind, device, (rows,) if cols is None else (rows, cols), dtype))
-    check(op, (dtype,), 1 if cols is None else 2, min_len=rows, min_cols=cols)
+        try:
+            return probe(name, empty(kind, device, shape, dtype))
+        except Exception as error:       # numpy MemoryError, cupy OutOfMemoryError, torch OOM
+            if not isinstance(error, MemoryError) and "out of memory" not in str(error).lower():
+                raise
+            size = int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+            raise MemoryError(f"{name}: cannot allocate {shape} {np.dtype(dtype)} "
+                              f"({size / 2**30:.1f} GiB) as {_KIND_TEXT[kind]}; check the sizes "
+                              f"that set its shape, or pass a buffer") from None
+    check(op, (dtype,), len(shape), min_len=rows, min_cols=cols)
+    if op.kind == NUMPY and not op.array.flags.writeable:
+        raise ValueError(f"{name}: expected a writable array, got a read-only one")
     return op

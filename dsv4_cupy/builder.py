@@ -79,28 +79,35 @@ class DeepseekV4MetadataBuilder:
                  width_policy: str = "active", dcp_world_size: int = 1, dcp_rank: int = 0,
                  cp_kv_cache_interleave_size: int = 1, like="numpy", device: int | None = None,
                  validate: str = "default", num_cache_blocks: int | None = None):
-        self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1)
+        self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
+                                        maximum=MAX_BLOCK_SIZE)
         self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens",
                                                        max_num_batched_tokens, minimum=1)
-        self.block_size = check_int("block_size", block_size, minimum=1)
+        self.block_size = check_int("block_size", block_size, minimum=1,
+                                    maximum=MAX_BLOCK_SIZE * KV_BLOCK_SIZE)
         self.topk_tokens = check_int("index_topk", index_topk, minimum=1)
         spec_tokens = check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         self.decode_threshold = 1 + spec_tokens
         self.treat_short_extends_as_decodes = bool(treat_short_extends_as_decodes)
         self.width_policy = check_choice("width_policy", width_policy, WIDTH_POLICIES)
-        self.full_validation = validation.check_mode(validate)
+        self.full_validation = validation.check_mode(validate, num_cache_blocks)
         self.num_cache_blocks = num_cache_blocks
         self.storage_block_size = self.block_size // self.compress_ratio
-        if self.compress_ratio > 1 and (self.block_size % self.compress_ratio
-                                        or self.block_size // self.compress_ratio > MAX_BLOCK_SIZE):
+        if self.compress_ratio > 1 and self.block_size % self.compress_ratio:
             raise ValueError(f"block_size: expected a multiple of compress_ratio "
                              f"({self.compress_ratio}), got {self.block_size}")
+        if self.storage_block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size: expected a storage block (block_size // "
+                             f"compress_ratio) of at most {MAX_BLOCK_SIZE}, got "
+                             f"{self.storage_block_size}")
         self.cp = check_cp(dcp_world_size, dcp_rank, cp_kv_cache_interleave_size,
                            block_size=max(self.storage_block_size, 1),
                            names=("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size"))
         self.capacity = c128a_capacity(self.max_model_len) if self.compress_ratio == 128 else 0
 
+        if device is not None:
+            device = check_int("device", device, minimum=-1)
         n = self.max_num_batched_tokens
         self.req_id_per_token_buffer = arrays.full_like_kind(like, (n,), INT32, 0, device)
         self.kind = arrays.kind_of(self.req_id_per_token_buffer)
@@ -260,6 +267,12 @@ class DeepseekV4MetadataBuilder:
             validation.query_layout(qsl, cm.seq_lens, kind, table.shape[0], num_tokens)
         if num_decode_tokens and self.compress_ratio == 128:
             ids = validation.token_requests(arrays.host_copy(qsl, kind), num_decode_tokens)
+            outside = np.flatnonzero(ids >= table.shape[0])
+            if outside.size:
+                t = int(outside[0])
+                raise ValueError(f"block_table_tensor: expected a row for every request with "
+                                 f"decode tokens, got {table.shape[0]} rows; decode token {t} "
+                                 f"belongs to request {int(ids[t])}")
             validation.c128a_inputs(cm.positions, ids, table, kind, num_decode_tokens, 128,
                                     self.width(cm.max_seq_len), self.storage_block_size,
                                     self.num_cache_blocks, ids_kind=arrays.NUMPY)

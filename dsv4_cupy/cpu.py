@@ -10,8 +10,63 @@ does (C semantics), through ``_div_trunc``.
 """
 from __future__ import annotations
 
+import os
+import threading
+import types
+
+import numba
 import numpy as np
 from numba import njit, prange
+
+_process = {"forked": False, "layer": None}
+_first_parallel_call = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    _process["forked"] = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ParallelKernel:
+    """A numba kernel whose loop is a ``prange``, compiled twice: parallel, and
+    serial for where parallel is unsafe.
+
+    * In a forked child (pre-forking servers, ``multiprocessing`` with fork),
+      GNU OpenMP aborts the process ("fork() called from a process already
+      using GNU OpenMP"): the serial twin runs there.
+    * Under numba's ``workqueue`` threading layer (no OpenMP or TBB), concurrent
+      calls abort ("Concurrent access has been detected"): calls are serialised.
+    """
+
+    def __init__(self, function):
+        self.parallel = njit(cache=True, parallel=True)(function)
+        # A renamed copy: numba's disk cache is keyed by the function's name.
+        serial = types.FunctionType(function.__code__, function.__globals__,
+                                    function.__name__ + "_serial", function.__defaults__)
+        serial.__qualname__ = function.__qualname__ + "_serial"
+        self.serial = njit(cache=True)(serial)
+        self.__doc__ = function.__doc__
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        if _process["forked"]:
+            return self.serial(*args)
+        layer = _process["layer"]
+        if layer is None:
+            with _first_parallel_call:     # the layer is known after the first parallel run
+                result = self.parallel(*args)
+                _process["layer"] = numba.threading_layer()
+            return result
+        if layer == "workqueue":
+            with self._lock:
+                return self.parallel(*args)
+        return self.parallel(*args)
+
+    def variants(self):
+        """Both compiled twins (for warm-up)."""
+        return self.parallel, self.serial
 
 
 @njit(cache=True, inline="always")
@@ -87,7 +142,7 @@ def _owned_rows(n, cp_world_size, cp_rank, cp_interleave):
     return base + min(max(n - base * cp_world_size - cp_rank * cp_interleave, 0), cp_interleave)
 
 
-@njit(cache=True, parallel=True)
+@ParallelKernel
 def c128a_topk_metadata(positions, compress_ratio, num_decode_tokens, token_to_req, table,
                         table_stride, table_rows, table_cols, block_size, slot_mapping, width,
                         global_decode, decode_stride, decode_lens, prefill, prefill_stride,

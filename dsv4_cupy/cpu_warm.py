@@ -22,11 +22,10 @@ def warm_cpu() -> list[str]:
     rows = np.empty(1, i32)
     for positions_dtype in (i32, i64):
         for slot_dtype in (i32, i64):
-            cpu.c128a_topk_metadata(np.zeros(1, positions_dtype), i64(128), i64(1),
-                                    np.zeros(1, i32), table, i64(1), i64(1), i64(1), i64(2),
-                                    np.zeros(1, slot_dtype), i64(1), rows, i64(1),
-                                    np.empty(1, i32), rows, i64(1), i64(1), i64(0), i64(1),
-                                    i64(-1))
+            for twin in cpu.c128a_topk_metadata.variants():     # parallel, and serial (fork)
+                twin(np.zeros(1, positions_dtype), i64(128), i64(1), np.zeros(1, i32), table,
+                     i64(1), i64(1), i64(1), i64(2), np.zeros(1, slot_dtype), i64(1), rows, i64(1),
+                     np.empty(1, i32), rows, i64(1), i64(1), i64(0), i64(1), i64(-1))
             done.append(f"c128a_topk_metadata[p{np.dtype(positions_dtype).itemsize * 8}"
                         f"_s{np.dtype(slot_dtype).itemsize * 8}]")
     return done

@@ -13,8 +13,10 @@
 * The constants that Python and CUDA share (threads per block, the "no slot"
   sentinel) and a hash of every kernel source are passed as ``-D`` options:
   CuPy's disk cache key ignores included files, so a stale cubin is never reused.
-* Modules are compiled once per device (``cupy.memoize``) and cached on disk by
-  CuPy (``CUPY_CACHE_DIR``); ``warmup()`` does the first use before serving.
+* Modules are compiled once per device and cached on disk by CuPy
+  (``CUPY_CACHE_DIR``), and loaded once per CUDA context (a device reset or a
+  second context reloads instead of using a stale handle); ``warmup()`` does
+  the first use before serving.
 * ``compile_for(family, arch)`` builds a cubin for any arch without a GPU
   (NVRTC from PyPI), for CI and ``python -m dsv4_cupy compile``.
 """
@@ -151,44 +153,57 @@ def options() -> tuple[str, ...]:
     return BASE_OPTIONS + defines + (f"-DDSV4_KERNELS_HASH=0x{sources_hash()}",)
 
 
-_load_module = None
+def _load(family: KernelFamily):
+    """The family's module compiled for the current device and loaded into the
+    current CUDA context. CuPy's ``compile_with_cache`` (what ``RawModule`` uses
+    underneath) keeps the cubin on disk; the module is loaded per context, so a
+    device reset or another context never sees a stale handle."""
+    cupy = devices.cupy_module()
+    devices.nvrtc_version()
+    opts = options()
+    try:
+        return cupy._core.core.compile_with_cache(source(family), opts,
+                                                  prepend_cupy_headers=False)
+    except cupy.cuda.compiler.CompileException as error:
+        cc = cupy.cuda.Device().compute_capability
+        raise KernelCompileError(family.file, f"sm_{cc}", opts, str(error)) from None
 
 
-def _module_loader():
-    """``load(family) -> RawModule``, memoized per device by CuPy (built on first
-    use, so ``import dsv4_cupy`` needs no cupy)."""
-    global _load_module
-    if _load_module is None:
-        cupy = devices.cupy_module()
-
-        @cupy.memoize(for_each_device=True)
-        def load(family: KernelFamily):
-            devices.nvrtc_version()
-            opts = options()
-            module = cupy.RawModule(code=source(family), options=opts)
-            try:
-                module.compile()
-            except cupy.cuda.compiler.CompileException as error:
-                cc = cupy.cuda.Device().compute_capability
-                raise KernelCompileError(family.file, f"sm_{cc}", opts, str(error)) from None
-            return module
-
-        _load_module = load
-    return _load_module
+_MODULES: dict = {}      # (context, family) -> Module
+_FUNCTIONS: dict = {}    # (context, entry) -> Function
+#: Driver errors that mean a handle belongs to a context that is gone.
+_STALE_HANDLE_ERRORS = (201, 400, 709)   # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
 
 
-_FUNCTIONS: dict = {}
+def _context() -> int:
+    """The current CUDA context, made current first if this thread has none
+    (cudaSetDevice binds the device's primary context)."""
+    cuda = devices.cupy_module().cuda
+    context = cuda.driver.ctxGetCurrent()
+    if context == 0:
+        cuda.runtime.setDevice(cuda.runtime.getDevice())
+        context = cuda.driver.ctxGetCurrent()
+    return context
 
 
-def get(family: KernelFamily, entry: str, device: int):
-    """The compiled entry point ``entry`` of ``family``; ``device`` must be current."""
-    key = (device, entry)
+def get(family: KernelFamily, entry: str, context: int | None = None):
+    """The compiled entry point ``entry`` of ``family`` in the current context."""
+    context = _context() if context is None else context
+    key = (context, entry)
     function = _FUNCTIONS.get(key)
     if function is None:
-        # The bare Function of this device: calling it skips RawKernel's
-        # per-call lookups (a few microseconds on every launch).
-        function = _FUNCTIONS[key] = _module_loader()(family).get_function(entry).kernel
+        module = _MODULES.get((context, family))
+        if module is None:
+            module = _MODULES[(context, family)] = _load(family)
+        function = _FUNCTIONS[key] = module.get_function(entry)
     return function
+
+
+def forget_context(context: int) -> None:
+    """Drop every module and function loaded into ``context`` (gone or reset)."""
+    for cache in (_MODULES, _FUNCTIONS):
+        for key in [key for key in cache if key[0] == context]:
+            del cache[key]
 
 
 def compile_for(family: KernelFamily, arch: str) -> bytes:
@@ -248,8 +263,16 @@ def launch(family: KernelFamily, entry: str, device: int, blocks: int, stream: i
         # cudaSetDevice makes it so (a new thread may not have it yet).
         cupy.cuda.runtime.setDevice(device)
         _BUFFERS.bound_devices.add(device)
-    function = get(family, entry, device)
     storage, _, kernel_params = _BUFFERS.get(family.params)
     family.params.pack_into(storage, **fields)
-    cupy.cuda.driver.launchKernel(function.ptr, blocks, 1, 1, THREADS, 1, 1, 0, stream,
-                                  kernel_params, 0)
+    context = _context()
+    driver = cupy.cuda.driver
+    try:
+        driver.launchKernel(get(family, entry, context).ptr, blocks, 1, 1, THREADS, 1, 1, 0,
+                            stream, kernel_params, 0)
+    except driver.CUDADriverError as error:
+        if error.status not in _STALE_HANDLE_ERRORS:
+            raise
+        forget_context(context)      # a reset context may come back under the same handle
+        driver.launchKernel(get(family, entry, context).ptr, blocks, 1, 1, THREADS, 1, 1, 0,
+                            stream, kernel_params, 0)

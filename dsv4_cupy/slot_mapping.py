@@ -82,7 +82,8 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         slot_dtype = arrays.check(token_slots, SLOT_MAPPING_AXIS[1], 1, min_len=num_tokens)
     out = arrays.output("out", ops["out"], kind, device, INT64, num_tokens)
     arrays.check_no_alias([out], [qsl, seq, table, token_slots])
-    if validation.check_mode(validate):
+    if validation.check_mode(validate, num_cache_blocks):
+        validation.storage_block(block_size, compress_ratio)
         validation.slot_mapping_inputs(query_start_loc, seq_lens, block_table, kind, block_size,
                                        compress_ratio, cp.world_size, num_cache_blocks)
     out_len = out.shape[0]

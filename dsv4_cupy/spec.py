@@ -71,7 +71,7 @@ def c128a_capacity(max_model_len: int) -> int:
 
     65,536 -> 512; 262,144 -> 2048; 1,048,576 -> 8192; 2,136 -> 128.
     """
-    max_model_len = check_int("max_model_len", max_model_len)
+    max_model_len = check_int("max_model_len", max_model_len, minimum=1)
     return round_up(cdiv(max_model_len, 128), C128A_TOPK_ALIGNMENT)
 
 
@@ -83,9 +83,10 @@ def c128a_active_width(max_seq_len: int, capacity: int) -> int:
     ``max_model_len`` (bug 4: the 1M-context capture assertion) inside the buffer.
     """
     max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
-    capacity = check_int("capacity", capacity)
+    capacity = check_int("capacity", capacity, minimum=C128A_TOPK_ALIGNMENT)
     if capacity % C128A_TOPK_ALIGNMENT:
-        raise ValueError(f"capacity must be a multiple of {C128A_TOPK_ALIGNMENT}, got {capacity}")
+        raise ValueError(f"capacity: expected a multiple of {C128A_TOPK_ALIGNMENT}, got "
+                         f"{capacity}")
     return min(max(next_power_of_2(max(max_seq_len // 128, 1)), 128), capacity)
 
 
@@ -102,11 +103,11 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     alignment 576): always read it from the cache tensor's ``stride(0)``.
     """
     num_blocks = check_int("num_blocks", num_blocks, minimum=0)
-    block_size = check_int("block_size", block_size)
-    check_int("num_kv_heads", num_kv_heads)
-    head_size = check_int("head_size", head_size)
+    block_size = check_int("block_size", block_size, minimum=1)
+    check_int("num_kv_heads", num_kv_heads, minimum=1)
+    head_size = check_int("head_size", head_size, minimum=1)
     if cache_dtype not in _CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {_CACHE_DTYPES}, got {cache_dtype!r}")
+        raise ValueError(f"cache_dtype: expected one of {_CACHE_DTYPES}, got {cache_dtype!r}")
     if cache_dtype in ("fp8_ds_mla", "fp8"):
         return (num_blocks, block_size, FP8_DS_MLA_BYTES_PER_TOKEN)
     return (num_blocks, block_size, head_size)

@@ -8,18 +8,35 @@ data a correct vLLM batch never has.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from . import arrays, spec
+from .scalars import check_int
 
 MODES = ("default", "full")
 
 
-def check_mode(validate: str) -> bool:
-    """True for full validation."""
+def check_mode(validate: str, num_cache_blocks=None) -> bool:
+    """True for full validation; ``num_cache_blocks`` (only read by it) must be an int."""
     if validate not in MODES:
         raise ValueError(f"validate: expected one of {MODES}, got {validate!r}")
+    if num_cache_blocks is not None:
+        check_int("num_cache_blocks", num_cache_blocks, minimum=1)
     return validate == "full"
+
+
+def storage_block(block_size: int, compress_ratio: int) -> None:
+    """Warn when a storage block cannot be DeepSeek-V4's ``256 // compress_ratio``
+    (a warning: other models may differ). Passing the logical block (256) where
+    the ops take the storage block silently gives wrong slots."""
+    expected = spec.KV_BLOCK_SIZE // compress_ratio if compress_ratio > 1 else spec.KV_BLOCK_SIZE
+    if block_size != expected:
+        warnings.warn(f"block_size: the ops take the storage block, {spec.KV_BLOCK_SIZE} // "
+                      f"compress_ratio = {expected} for DeepSeek-V4, got {block_size}"
+                      + (" (the logical block?)" if block_size == spec.KV_BLOCK_SIZE else ""),
+                      UserWarning, stacklevel=3)
 
 
 def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None = None) -> None:

@@ -18,10 +18,10 @@ def warmup(*, gpu: bool | None = None, cpu: bool | None = None) -> dict:
         cpu = not gpu
     done: dict = {"gpu": [], "cpu": []}
     if gpu:
-        current = device.require_gpu().id
+        device.require_gpu()
         for family in families.ALL:
             for entry in family.entry_points():
-                loader.get(family, entry, current)
+                loader.get(family, entry)
                 done["gpu"].append(f"{family.file}:{entry}")
     if cpu:
         from .cpu_warm import warm_cpu

@@ -190,7 +190,8 @@ def test_bug06_no_compile_on_the_serving_path_cpu(monkeypatch):
     compiles nothing: numba's dispatchers gain no new signature."""
     from dsv4_cupy import cpu
     d4.warmup(gpu=False, cpu=True)
-    dispatchers = (cpu.token_to_req_indices, cpu.compressed_slot_mapping, cpu.c128a_topk_metadata)
+    dispatchers = (cpu.token_to_req_indices, cpu.compressed_slot_mapping,
+                   *cpu.c128a_topk_metadata.variants())
     before = [len(f.signatures) for f in dispatchers]
     builder = make_builder("numpy", 128, 1 << 16)
     batch = make_batch([1, 2, 40], [100, 5000, 0], threshold=2)
@@ -207,7 +208,7 @@ def test_bug06_no_compile_on_the_serving_path_gpu(monkeypatch):
 
     def refuse(family):
         raise AssertionError(f"compiled {family} on the serving path")
-    monkeypatch.setattr(loader, "_load_module", refuse)
+    monkeypatch.setattr(loader, "_load", refuse)
     for kind in GPU_KINDS:
         batch = make_batch([1, 2, 40], [100, 5000, 0], threshold=2)
         make_builder(kind, 128, 1 << 16, spec=1).build(0, common_metadata(batch, kind))

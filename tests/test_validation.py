@@ -35,11 +35,11 @@ def assert_untouched(args):
     (dict(positions=np.zeros(8, np.float32)), TypeError, "positions: expected dtype int32 or int64, got float32"),
     (dict(positions=np.zeros((8, 1), I64)), ValueError, "positions: expected a 1-D array"),
     (dict(token_to_req_indices=np.zeros(8, I64)), TypeError, "token_to_req_indices: expected dtype int32"),
-    (dict(token_to_req_indices=np.zeros(1, I32)), ValueError, "token_to_req_indices: expected at least 2 rows"),
+    (dict(token_to_req_indices=np.zeros(1, I32)), ValueError, "token_to_req_indices: expected at least 2 elements"),
     (dict(block_table=np.zeros(5, I32)), ValueError, "block_table: expected a 2-D array"),
     (dict(block_table=np.zeros((3, 4), I64)), TypeError, "block_table: expected dtype int32"),
     (dict(slot_mapping=np.zeros(8, np.float64)), TypeError, "slot_mapping: expected dtype"),
-    (dict(slot_mapping=np.zeros(1, I64)), ValueError, "slot_mapping: expected at least 2 rows"),
+    (dict(slot_mapping=np.zeros(1, I64)), ValueError, "slot_mapping: expected at least 2 elements"),
     (dict(num_decode_tokens=9), ValueError, "num_decode_tokens: expected an int <= 8, got 9"),
     (dict(num_decode_tokens=-1), ValueError, "num_decode_tokens: expected an int >= 0"),
     (dict(num_decode_tokens=2.0), TypeError, "num_decode_tokens: expected an int, got float"),
@@ -47,7 +47,7 @@ def assert_untouched(args):
     (dict(block_size=0), ValueError, "block_size: expected an int >= 1, got 0"),
     (dict(block_size=True), TypeError, "block_size: expected an int, got bool"),
     (dict(max_compressed_tokens=257), ValueError, "max_compressed_tokens: expected at most the width"),
-    (dict(decode_lens_buffer=np.full(1, POISON, I32)), ValueError, "decode_lens_buffer: expected at least 2 rows"),
+    (dict(decode_lens_buffer=np.full(1, POISON, I32)), ValueError, "decode_lens_buffer: expected at least 2 elements"),
     (dict(prefill_buffer=np.full((2, 256), POISON, I32)), ValueError, "prefill_buffer: expected at least 6 rows"),
     (dict(global_decode_buffer=np.full((4, 256), POISON, I64)), TypeError, "global_decode_buffer: expected dtype int32"),
     (dict(positions="positions"), TypeError, "positions: expected a numpy, cupy or torch array, got str"),
@@ -74,7 +74,7 @@ def test_token_map_and_slot_mapping_reject():
     out = np.full(4, POISON, I32)
     with pytest.raises(TypeError, match="query_start_loc: expected dtype int32, got int64"):
         d4.token_to_req_indices(np.array([0, 2], I64), 4, out=out)
-    with pytest.raises(ValueError, match="out: expected at least 5 rows, got shape"):
+    with pytest.raises(ValueError, match="out: expected at least 5 elements, got shape"):
         d4.token_to_req_indices(np.array([0, 2], I32), 5, out=out)
     with pytest.raises(ValueError, match="num_tokens: expected an int >= 0"):
         d4.token_to_req_indices(np.array([0, 2], I32), -1, out=out)
@@ -82,11 +82,11 @@ def test_token_map_and_slot_mapping_reject():
     batch = make_batch([3, 4], [10, 20])
     slots = np.full(9, POISON, I64)
     base = (7, batch.qsl, batch.seq_lens, batch.block_table, 2, 128)
-    bad = [((7, batch.qsl[:2]) + base[2:], ValueError, "query_start_loc: expected at least 3 rows"),
+    bad = [((7, batch.qsl[:2]) + base[2:], ValueError, "query_start_loc: expected at least 3 elements"),
            ((7, batch.qsl, batch.seq_lens[:1]) + base[3:], ValueError, "seq_lens: expected at least 2"),
            (base[:4] + (0, 128), ValueError, "block_size: expected an int >= 1"),
            (base[:5] + (0,), ValueError, "compress_ratio: expected an int >= 1"),
-           ((10,) + base[1:], ValueError, "out: expected at least 10 rows")]
+           ((10,) + base[1:], ValueError, "out: expected at least 10 elements")]
     for args, error, match in bad:
         with pytest.raises(error, match=match):
             d4.get_compressed_slot_mapping(*args, out=slots)
