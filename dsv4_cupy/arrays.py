@@ -223,11 +223,11 @@ def _row_bytes(op: Operand) -> tuple[int, int, int]:
     return op.shape[0], op.strides[0] * itemsize, op.shape[1] * itemsize
 
 
-def _overlap(a: Operand, b: Operand) -> bool:
+def _overlap(a: Operand, b: Operand, a_span: tuple, b_span: tuple) -> bool:
     """Whether two checked arrays share a byte. Exact for rows of one stride
     (interleaved column slices of one buffer do not overlap); otherwise the
     spans are compared."""
-    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    (a_lo, a_hi), (b_lo, b_hi) = a_span, b_span
     if not (a_lo < b_hi and b_lo < a_hi):
         return False
     a_rows, a_stride, a_width = _row_bytes(a)
@@ -240,7 +240,7 @@ def _overlap(a: Operand, b: Operand) -> bool:
     # Row i of a meets row k of b iff d - a_width < (i - k) * stride < d + b_width
     # with d = b_lo - a_lo: try the one or two row distances m = i - k that can.
     distance = b_lo - a_lo
-    low, high = -(b_rows - 1) if b_rows > 1 else 0, a_rows - 1
+    low, high = -(b_rows - 1), a_rows - 1
     first = max(low, (distance - a_width) // stride)
     for m in range(first, min(high, (distance + b_width) // stride + 1) + 1):
         if distance - a_width < m * stride < distance + b_width:
@@ -249,16 +249,21 @@ def _overlap(a: Operand, b: Operand) -> bool:
 
 
 def check_no_alias(outputs: list, inputs: list) -> None:
-    """Outputs must not overlap inputs or each other (a kernel would read what it wrote)."""
+    """Outputs must not overlap inputs or each other (a kernel would read what it
+    wrote). Spans first; the exact row test only where spans meet."""
     others = [op for op in inputs if op is not None]
+    spans = [_span(op) for op in others]
     for op in outputs:
         if op is None:
             continue
-        for other in others:
-            if _overlap(op, other):
+        span = _span(op)
+        lo, hi = span
+        for other, (other_lo, other_hi) in zip(others, spans):
+            if lo < other_hi and other_lo < hi and _overlap(op, other, span, (other_lo, other_hi)):
                 raise ValueError(f"{op.name}: output memory overlaps {other.name}; "
                                  f"pass separate buffers for outputs and inputs")
         others.append(op)
+        spans.append(span)
 
 
 def block_table_group(op: Operand) -> tuple:
@@ -330,8 +335,8 @@ def kernel_view_2d(x, kind: str) -> tuple[np.ndarray, np.int64]:
 
 
 def host_view(x, kind: str) -> np.ndarray:
-    """A numpy view of host memory (torch CPU through DLPack, zero-copy)."""
-    return x if kind == NUMPY else np.from_dlpack(x)
+    """A numpy view of host memory (torch CPU zero-copy, without autograd)."""
+    return x if kind == NUMPY else x.detach().numpy()
 
 
 def empty(kind: str, device: int, shape: tuple, dtype) -> object:
@@ -393,6 +398,71 @@ def launch_stream(kind: str, device: int) -> int:
         return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     import cupy
     return cupy.cuda.get_current_stream(device).ptr
+
+
+def stream_getter(kind: str, device: int):
+    """A no-argument function returning the stream handle a launch on ``device``
+    must use now (``launch_stream``, with the lookups done once)."""
+    if kind == TORCH_CUDA:
+        torch = _torch()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return lambda: raw(device)
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+    import cupy
+    get_current_stream = cupy.cuda.get_current_stream
+    return lambda: get_current_stream(device).ptr
+
+
+class _NoKey(Exception):
+    pass
+
+
+def _device_array_key(x) -> tuple:
+    family = _family(x)
+    if family is _TORCH:
+        if not x.is_cuda:
+            raise _NoKey
+        return type(x), x.data_ptr(), x.shape, x.stride(), x.dtype
+    if family is _CUPY:
+        return type(x), x.data.ptr, x.shape, x.strides, x.dtype
+    raise _NoKey
+
+
+# Not bool or float: True == 1 and 1.0 == 1 as keys, but the checks refuse them.
+_SCALAR_TYPES = (int, str, tuple, type(None))
+
+
+def host_key(x) -> tuple | None:
+    """``launch_key``'s entry for a host array read on the host (its type,
+    address, shape, strides and dtype); None for None. A device array gets a
+    key too, and the full checks then refuse it."""
+    if x is None:
+        return None
+    family = _family(x)
+    if family is _TORCH:
+        return type(x), x.is_cuda, x.data_ptr(), x.shape, x.stride(), x.dtype
+    if family is NUMPY:
+        return type(x), x.__array_interface__["data"][0], x.shape, x.strides, x.dtype
+    return (type(x), id(x))
+
+
+def launch_key(*args) -> tuple | None:
+    """A key that fixes everything the checks of a GPU call depend on: for each
+    device array its type, address, shape, strides and dtype; scalars as they
+    are. None when an argument is a host array or anything else (no fast path).
+
+    Two calls with equal keys pass the same checks and make the same launch
+    (addresses are unique across devices), so their prepared launch can be
+    reused; nothing here reads device memory.
+    """
+    key = []
+    try:
+        for x in args:
+            key.append(x if type(x) in _SCALAR_TYPES else _device_array_key(x))
+    except _NoKey:
+        return None
+    return tuple(key)
 
 
 def to_torch(x):

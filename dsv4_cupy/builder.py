@@ -11,9 +11,23 @@ from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .scalars import check_choice, check_int
 from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width,
                    c128a_capacity)
-from .split import host_prefilling, split_host
+from .prepared import PlanCache, PreparedCall
+from .split import host_prefilling as host_prefilling_view
+from .split import split_host
 
 WIDTH_POLICIES = ("capacity", "active")
+
+
+class _PreparedStep:
+    """A step layout whose checks passed: host views of its host arrays, and the
+    prepared launch of each (split, width, valid tokens) seen with it."""
+
+    __slots__ = ("host_query_start_loc", "host_prefilling", "launches")
+
+    def __init__(self, host_query_start_loc, host_prefilling):
+        self.host_query_start_loc = host_query_start_loc
+        self.host_prefilling = host_prefilling
+        self.launches: dict = {}
 _MAX_CACHED_VIEWS = 512
 
 
@@ -128,6 +142,11 @@ class DeepseekV4MetadataBuilder:
         if self.kind in arrays.GPU_KINDS:
             DeepseekV4FlashMLABackend.check_device()
         self._views: dict = {}
+        self._capturing = False
+        self._captured = None
+        # Prepared steps (GPU, default validation): see build().
+        self._prepared = (PlanCache(_MAX_CACHED_VIEWS) if self.kind in arrays.GPU_KINDS
+                          and not self.full_validation else None)
         # The buffers never move, so their addresses are read once.
         self._buffer_ops = [arrays.probe(name, getattr(self, name)) for name in (
             "req_id_per_token_buffer", "compressed_slot_mapping_buffer",
@@ -144,9 +163,67 @@ class DeepseekV4MetadataBuilder:
         """C128A columns written this step (0 unless compress_ratio is 128)."""
         if self.compress_ratio != 128:
             return 0
-        if self.width_policy == "capacity":
+        if self.width_policy == "capacity" or self._capturing:
             return self.capacity
         return c128a_active_width(max_seq_len, self.capacity)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> DeepseekV4Metadata:
+        """``build`` for recording inside the caller's CUDA graph (torch's or CuPy's
+        stream capture), so that a step costs no host time for metadata.
+
+        The kernel reads every value that varies between steps of one captured
+        shape from device memory on replay: the query layout, sequence lengths,
+        positions, slot mapping and block table, at the addresses given here.
+        The host values that fix the captured shape are the padded token count
+        (``num_actual_tokens``), the request count (``num_reqs``), the split (a
+        uniform decode batch: every request at most ``1 + num_speculative_tokens``
+        tokens; prefills cannot be captured) and the C128A width, which is the
+        capacity whatever ``width_policy`` says (a step's live width varies).
+        Before each replay, ``check_replay(step)`` raises if the step does not
+        fit; replaying a step that does not fit would give stale rows.
+        """
+        cm = common_attn_metadata
+        if self.kind not in arrays.GPU_KINDS:
+            raise TypeError("build_for_cudagraph_capture: expected a builder of GPU buffers "
+                            f"(like='torch' on CUDA or 'cupy'), this one holds {self.kind} arrays")
+        if not (cm.num_reqs and cm.max_query_len <= self.decode_threshold
+                and self.treat_short_extends_as_decodes):
+            raise ValueError(f"common_attn_metadata: a captured build needs a uniform decode "
+                             f"batch (num_reqs > 0, max_query_len <= {self.decode_threshold}), "
+                             f"got num_reqs={cm.num_reqs}, max_query_len={cm.max_query_len}")
+        self._capturing = True
+        try:
+            metadata = self._build_checked(cm)
+        finally:
+            self._capturing = False
+        self._captured = (self._step_key(cm), cm.num_reqs, cm.num_actual_tokens)
+        return metadata
+
+    def check_replay(self, common_attn_metadata: CommonAttentionMetadata) -> None:
+        """Raise ``ValueError`` unless this step fits the graph captured by
+        ``build_for_cudagraph_capture``: the same buffers (addresses, shapes,
+        strides, dtypes), token and request counts, a uniform decode batch, and
+        sequences no longer than ``max_model_len``. Host values only; no sync."""
+        cm = common_attn_metadata
+        if self._captured is None:
+            raise ValueError("check_replay: nothing was captured (call "
+                             "build_for_cudagraph_capture inside the graph capture first)")
+        key, num_reqs, num_tokens = self._captured
+        if (cm.num_reqs, cm.num_actual_tokens) != (num_reqs, num_tokens):
+            raise ValueError(f"common_attn_metadata: expected the captured shape num_reqs="
+                             f"{num_reqs}, num_actual_tokens={num_tokens}, got "
+                             f"{cm.num_reqs}, {cm.num_actual_tokens}; pad the step to it")
+        if not (cm.max_query_len <= self.decode_threshold and self.treat_short_extends_as_decodes):
+            raise ValueError(f"max_query_len: expected a uniform decode step (at most "
+                             f"{self.decode_threshold}), got {cm.max_query_len}")
+        if cm.max_seq_len > self.capacity * 128:
+            raise ValueError(f"max_seq_len: expected at most {self.capacity * 128} (the C128A "
+                             f"capacity), got {cm.max_seq_len}")
+        if self._step_key(cm) != key:
+            raise ValueError("common_attn_metadata: expected the buffers the graph was captured "
+                             "with (same addresses, shapes, strides and dtypes); refresh them "
+                             "in place")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DeepseekV4Metadata:
@@ -155,60 +232,110 @@ class DeepseekV4MetadataBuilder:
 
         On GPU this is one kernel launch with no host sync and no allocation:
         the decode/prefill split comes from ``query_start_loc_cpu``. Returns
-        views of the persistent buffers.
+        views of the persistent buffers. A step whose arrays have the layouts
+        (addresses, shapes, strides, dtypes) and counts of an earlier step
+        reuses that step's checks and prepared launch.
         """
         cm = common_attn_metadata
+        if self._prepared is not None and type(cm) is CommonAttentionMetadata:
+            metadata = self._build_prepared(cm)
+            if metadata is not None:
+                return metadata
+        return self._build_checked(cm)
+
+    def _step_key(self, cm: CommonAttentionMetadata):
+        """What the checks of a step depend on, from attributes alone (None: no fast path)."""
+        return arrays.launch_key(
+            cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping,
+            cm.positions if self.compress_ratio == 128 else None, cm.num_reqs,
+            cm.num_actual_tokens, arrays.host_key(cm.query_start_loc_cpu),
+            None if self.treat_short_extends_as_decodes else arrays.host_key(cm.is_prefilling))
+
+    def _build_prepared(self, cm: CommonAttentionMetadata):
+        """The step from a prepared launch, or None (then the full path runs)."""
+        max_query_len, max_seq_len = cm.max_query_len, cm.max_seq_len
+        if type(max_query_len) is not int or type(max_seq_len) is not int \
+                or max_query_len < 0 or max_seq_len < 0:
+            return None
+        step = self._prepared.get(self._step_key(cm))
+        if step is None:
+            return None
+        split = self._split(cm, step.host_query_start_loc, step.host_prefilling)
+        launch = step.launches.get((split, self.width(max_seq_len) if self.compress_ratio == 128
+                                    else 0, self._valid_tokens(cm, step.host_query_start_loc)))
+        if launch is None or not launch.run():
+            return None
+        return self._metadata(cm, split, launch.results)
+
+    def _build_checked(self, cm: CommonAttentionMetadata) -> DeepseekV4Metadata:
         ratio = self.compress_ratio
         num_tokens, qsl_cpu, ops = self._check_step(cm)
-        table = ops["block_table_tensor"]
-        qsl = None
-        if (cm.num_reqs and cm.max_query_len <= self.decode_threshold
-                and self.treat_short_extends_as_decodes):
-            # A pure decode step, decided from host ints alone (the usual case).
-            num_decodes, num_prefills = cm.num_reqs, 0
-            num_decode_tokens, num_prefill_tokens = num_tokens, 0
-        else:
-            qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
-            prefilling = None
-            if not self.treat_short_extends_as_decodes and cm.num_reqs:
-                prefilling = host_prefilling(cm.is_prefilling, cm.num_reqs)
-            num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_host(
-                qsl, self.decode_threshold, False, num_tokens, cm.max_query_len, prefilling)
-        if not 0 <= num_decode_tokens <= num_tokens:
-            raise ValueError(f"query_start_loc_cpu: expected the decode/prefill boundary inside "
-                             f"[0, num_actual_tokens={num_tokens}], got token {num_decode_tokens}")
+        host_qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)
+        host_prefilling = None
+        if not self.treat_short_extends_as_decodes and cm.num_reqs:
+            host_prefilling = host_prefilling_view(cm.is_prefilling, cm.num_reqs)
+        split = self._split(cm, host_qsl, host_prefilling)
+        num_decode_tokens, num_prefill_tokens = split[2], split[3]
         if self.full_validation:
             self._check_step_data(cm, qsl_cpu, num_tokens, num_decode_tokens)
         # The C128A rows cover the split's tokens (none for a batch of padding only).
         c128a_tokens = num_decode_tokens + num_prefill_tokens if ratio == 128 else 0
         width = self.width(cm.max_seq_len) if c128a_tokens else 0
-        valid_tokens = -1               # single rank: validity from the slot mapping
-        if self.cp.world_size > 1:
-            if qsl is None:
-                qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)[:cm.num_reqs + 1]
-            valid_tokens = int(qsl[-1])
-
+        valid_tokens = self._valid_tokens(cm, host_qsl)
+        views = self._result_views(num_tokens, num_decode_tokens, num_prefill_tokens, width)
         if self.kind in arrays.GPU_KINDS:
-            self._launch(cm.num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
-                         valid_tokens)
+            launch = PreparedCall(
+                self._plans(cm.num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
+                            valid_tokens), self.kind, self.device, views, views)
+            if not launch.run():
+                raise RuntimeError("DeepseekV4MetadataBuilder.build: the device changed during "
+                                   "the build")
+            if self._prepared is not None:
+                key = self._step_key(cm)
+                if key is not None:
+                    step = self._prepared.get(key)
+                    if step is None:
+                        step = _PreparedStep(host_qsl, host_prefilling)
+                        self._prepared.put(key, step)
+                    step.launches[(split, width if ratio == 128 else 0, valid_tokens)] = launch
         else:
             self._run_cpu(cm, num_tokens, c128a_tokens, num_decode_tokens, width, valid_tokens)
+        return self._metadata(cm, split, views)
 
-        req_view, slots_view, decode_view, lens_view, prefill_view = self._result_views(
-            num_tokens, num_decode_tokens, num_prefill_tokens, width)
+    def _split(self, cm, host_qsl, host_prefilling) -> tuple[int, int, int, int]:
+        """(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)."""
+        num_tokens = cm.num_actual_tokens
+        if (cm.num_reqs and cm.max_query_len <= self.decode_threshold
+                and self.treat_short_extends_as_decodes):
+            # A pure decode step, decided from host ints alone (the usual case).
+            return cm.num_reqs, 0, num_tokens, 0
+        split = split_host(host_qsl[:cm.num_reqs + 1], self.decode_threshold, False, num_tokens,
+                           cm.max_query_len, host_prefilling)
+        if not 0 <= split[2] <= num_tokens:
+            raise ValueError(f"query_start_loc_cpu: expected the decode/prefill boundary inside "
+                             f"[0, num_actual_tokens={num_tokens}], got token {split[2]}")
+        return split
+
+    def _valid_tokens(self, cm, host_qsl) -> int:
+        """Under DCP the tokens before ``query_start_loc_cpu[num_reqs]`` are real;
+        -1 (single rank) takes validity from the slot mapping."""
+        return int(host_qsl[cm.num_reqs]) if self.cp.world_size > 1 else -1
+
+    def _metadata(self, cm, split, views) -> DeepseekV4Metadata:
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split
+        req_view, slots_view, decode_view, lens_view, prefill_view = views
+        rows = self.compress_ratio == 128 and num_decode_tokens + num_prefill_tokens > 0
         return DeepseekV4Metadata(
             num_reqs=cm.num_reqs, max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
-            num_actual_tokens=num_tokens, query_start_loc=cm.query_start_loc,
-            slot_mapping=slots_view if ratio > 1 else cm.slot_mapping,
+            num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
+            slot_mapping=slots_view if self.compress_ratio > 1 else cm.slot_mapping,
             block_table=cm.block_table_tensor, req_id_per_token=req_view,
             block_size=self.block_size, topk_tokens=self.topk_tokens, num_decodes=num_decodes,
             num_prefills=num_prefills, num_decode_tokens=num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
-            c128a_global_decode_topk_indices=decode_view if c128a_tokens and num_decode_tokens
-            else None,
-            c128a_decode_topk_lens=lens_view if c128a_tokens and num_decode_tokens else None,
-            c128a_prefill_topk_indices=prefill_view if c128a_tokens and num_prefill_tokens
-            else None)
+            c128a_global_decode_topk_indices=decode_view if rows and num_decode_tokens else None,
+            c128a_decode_topk_lens=lens_view if rows and num_decode_tokens else None,
+            c128a_prefill_topk_indices=prefill_view if rows and num_prefill_tokens else None)
 
     def _check_step(self, cm: CommonAttentionMetadata):
         """Validate the step's arrays (kind, device, dtypes, lengths); no sync.
@@ -277,23 +404,21 @@ class DeepseekV4MetadataBuilder:
                                     self.width(cm.max_seq_len), self.storage_block_size,
                                     self.num_cache_blocks, ids_kind=arrays.NUMPY)
 
-    def _launch(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
-                valid_tokens):
+    def _plans(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
+               valid_tokens) -> tuple:
         """The fused step kernel: token map, whole slot-mapping buffer, C128A rows."""
         table, positions = ops["block_table_tensor"], ops["positions"]
         cols_per_block, chunks, row_blocks = geometry.row_chunks(c128a_tokens, width, self.device)
         positions_dtype = positions.dtype if row_blocks else POSITIONS_AXIS[1][-1]
         blocks = row_blocks + geometry.element_blocks(max(num_tokens, self._slot_buffer_len))
         if blocks == 0:
-            return
+            return ()
         buffers = self._buffer_ptrs
-        families.BUILD_STEP.launch(
-            self.device, blocks, arrays.launch_stream(self.kind, self.device),
-            (positions_dtype, ops["slot_mapping"].dtype),
+        return (families.BUILD_STEP.plan(
+            self.device, blocks, (positions_dtype, ops["slot_mapping"].dtype),
             query=params.QUERY_LAYOUT.values(query_start_loc=ops["query_start_loc"].ptr,
                                              seq_lens=ops["seq_lens"].ptr, num_reqs=num_reqs),
-            table=arrays.block_table_group(table),
-            geometry=self._geometry,
+            table=arrays.block_table_group(table), geometry=self._geometry,
             positions=positions.ptr if row_blocks else 0, slot_mapping=ops["slot_mapping"].ptr,
             req_out=buffers["req"], slots_out=buffers["slots"], slots_len=self._slot_buffer_len,
             rows=params.C128A_ROWS.values(
@@ -302,7 +427,7 @@ class DeepseekV4MetadataBuilder:
                 prefill_stride=self.capacity, width=width, num_valid_tokens=valid_tokens),
             chunks=params.ROW_CHUNKS.values(cols_per_block=cols_per_block, chunks=chunks,
                                             row_blocks=row_blocks),
-            num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
+            num_tokens=num_tokens, num_decode_tokens=num_decode_tokens),)
 
     def _run_cpu(self, cm, num_tokens, c128a_tokens, num_decode_tokens, width, valid_tokens):
         kind, cp = self.kind, self.cp

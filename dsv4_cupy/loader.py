@@ -82,6 +82,10 @@ class KernelFamily:
         with the struct's fields by name."""
         launch(self, self._names[variant], device, blocks, stream, fields)
 
+    def plan(self, device: int, blocks: int, variant: tuple = (), **fields) -> "LaunchPlan":
+        """A launch with every field fixed, to run again and again (see ``LaunchPlan``)."""
+        return LaunchPlan(self, self._names[variant], device, blocks, fields)
+
     def __repr__(self) -> str:
         return f"KernelFamily({self.file!r}, {self.function!r})"
 
@@ -247,6 +251,74 @@ class _LaunchBuffers(threading.local):
 
 
 _BUFFERS = _LaunchBuffers()
+
+
+class LaunchPlan:
+    """One launch of one entry point with every struct field fixed: packed once
+    into storage the plan owns (cuLaunchKernel copies it at each call, so
+    threads can share a plan), the function and the context it belongs to.
+
+    ``run(stream)`` is the whole host cost of a repeated launch: a check that
+    the plan's context is current (else it is made current for the launch and
+    the caller's device restored), and ``cuLaunchKernel``. It returns False,
+    having launched nothing, when the device's context is no longer the plan's
+    (a reset); the caller then takes its full path and makes a new plan.
+    """
+
+    __slots__ = ("function", "device", "context", "blocks", "storage", "pointers",
+                 "kernel_params", "_cuda")
+
+    def __init__(self, family: KernelFamily, entry: str, device: int, blocks: int,
+                 fields: dict):
+        self._cuda = devices.cupy_module().cuda
+        self.storage = np.zeros(family.params.size, np.uint8)
+        family.params.pack_into(self.storage, **fields)
+        self.pointers = np.array([self.storage.ctypes.data], np.uint64)  # void* kernelParams[1]
+        self.kernel_params = self.pointers.ctypes.data
+        self.device, self.blocks = device, blocks
+        with self._cuda.Device(device):
+            self.context = _context()
+            self.function = get(family, entry, self.context).ptr
+
+    def run(self, stream: int) -> bool:
+        cuda = self._cuda
+        if cuda.driver.ctxGetCurrent() == self.context:
+            return self._launch(stream)
+        with cuda.Device(self.device):
+            if _context() != self.context:
+                return False
+            return self._launch(stream)
+
+    def _launch(self, stream: int) -> bool:
+        driver = self._cuda.driver
+        try:
+            driver.launchKernel(self.function, self.blocks, 1, 1, THREADS, 1, 1, 0, stream,
+                                self.kernel_params, 0)
+        except driver.CUDADriverError as error:
+            if error.status not in _STALE_HANDLE_ERRORS:
+                raise
+            forget_context(self.context)
+            return False
+        return True
+
+
+class PlanCache:
+    """Prepared launches by argument key, at most ``capacity`` (the oldest goes first)."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._plans: dict = {}
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan) -> None:
+        if len(self._plans) >= self.capacity:
+            del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
 
 
 def launch(family: KernelFamily, entry: str, device: int, blocks: int, stream: int,

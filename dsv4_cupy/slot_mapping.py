@@ -7,8 +7,11 @@ from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32, INT64
 from .dcp import check_cp, merge_aliases
 from .families import SLOT_MAPPING_AXIS
+from .prepared import PlanCache, PreparedCall
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+_PREPARED = PlanCache()
 
 
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table,
@@ -60,6 +63,15 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     the row, else -1. A block index past the table row gives -1, never a read
     of the next row.
     """
+    key = None
+    if validate == "default" and out is not None:
+        key = arrays.launch_key(num_tokens, query_start_loc, seq_lens, block_table, block_size,
+                                compress_ratio, out, cp_world_size, cp_rank,
+                                cp_kv_cache_interleave_size, dcp_world_size, dcp_rank,
+                                token_slot_mapping)
+        prepared = _PREPARED.get(key) if key is not None else None
+        if prepared is not None and prepared.run():
+            return prepared.results
     kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc,
                                           "seq_lens": seq_lens, "block_table": block_table,
                                           "out": out, "token_slot_mapping": token_slot_mapping})
@@ -87,11 +99,12 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         validation.slot_mapping_inputs(query_start_loc, seq_lens, block_table, kind, block_size,
                                        compress_ratio, cp.world_size, num_cache_blocks)
     out_len = out.shape[0]
+    result = out.array[:num_tokens]
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if out_len:
-            families.SLOT_MAPPING.launch(
-                device, geometry.elementwise_blocks(out_len), arrays.launch_stream(kind, device),
-                (slot_dtype,),
+            plans = (families.SLOT_MAPPING.plan(
+                device, geometry.elementwise_blocks(out_len), (slot_dtype,),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_rows),
                 table=arrays.block_table_group(table),
@@ -99,7 +112,12 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
                     block_size=block_size, ratio=compress_ratio, cp_world_size=cp.world_size,
                     cp_rank=cp.rank, cp_interleave=cp.interleave),
                 token_slots=token_slots.ptr if token_slots is not None else 0, out=out.ptr,
-                out_len=out_len, num_tokens=num_tokens)
+                out_len=out_len, num_tokens=num_tokens),)
+        prepared = PreparedCall(plans, kind, device, result, (result,))
+        if not prepared.run():
+            raise RuntimeError("get_compressed_slot_mapping: the device changed during the call")
+        if key is not None:
+            _PREPARED.put(key, prepared)
     else:
         flat_table, table_stride = arrays.kernel_view_2d(block_table, kind)
         cpu.compressed_slot_mapping(
@@ -109,7 +127,7 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
             np.int64(cp.rank), np.int64(cp.interleave), np.int64(num_tokens),
             arrays.kernel_view(token_slot_mapping, kind) if token_slots is not None
             else _NO_TOKEN_SLOTS, token_slots is not None, arrays.kernel_view(out.array, kind))
-    return out.array[:num_tokens]
+    return result
 
 
 _NO_TOKEN_SLOTS = np.full(1, -1, np.int64)

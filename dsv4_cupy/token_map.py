@@ -5,7 +5,10 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
+from .prepared import PlanCache, PreparedCall
 from .scalars import check_int
+
+_PREPARED = PlanCache()
 
 
 def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate: str = "default"):
@@ -31,6 +34,12 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
     ``query_start_loc[i] <= t < query_start_loc[i + 1]``; tokens at or past
     ``query_start_loc[-1]`` (padding) get 0; zero-length requests own no token.
     """
+    key = None
+    if validate == "default" and out is not None:
+        key = arrays.launch_key(query_start_loc, num_tokens, out)
+        prepared = _PREPARED.get(key) if key is not None else None
+        if prepared is not None and prepared.run():
+            return prepared.results
     kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc, "out": out})
     qsl = ops["query_start_loc"]
     arrays.check(qsl, (INT32,), 1, min_len=1)
@@ -40,14 +49,21 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
     full = validation.check_mode(validate)
     if full:
         validation.query_layout(query_start_loc, None, kind, 0)
+    result = out.array[:num_tokens]
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if num_tokens:
-            families.TOKEN_MAP.launch(
-                device, geometry.elementwise_blocks(num_tokens), arrays.launch_stream(kind, device),
+            plans = (families.TOKEN_MAP.plan(
+                device, geometry.elementwise_blocks(num_tokens),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=0,
                                                  num_reqs=qsl.shape[0] - 1),
-                out=out.ptr, num_tokens=num_tokens)
+                out=out.ptr, num_tokens=num_tokens),)
+        prepared = PreparedCall(plans, kind, device, result, (result,))
+        if not prepared.run():
+            raise RuntimeError("token_to_req_indices: the device changed during the call")
+        if key is not None:
+            _PREPARED.put(key, prepared)
     else:
         cpu.token_to_req_indices(arrays.kernel_view(query_start_loc, kind), np.int64(num_tokens),
                                  arrays.kernel_view(out.array, kind))
-    return out.array[:num_tokens]
+    return result
