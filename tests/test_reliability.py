@@ -208,12 +208,17 @@ def test_item06_a_misaligned_device_pointer_is_refused():
 @pytest.mark.gpu
 def test_item07_kernels_reload_after_a_device_reset():
     run = run_python("""
-        import cupy, numpy as np, dsv4_cupy as d4
+        import ctypes, cupy, numpy as np, dsv4_cupy as d4
         qsl = np.array([0, 2, 5], np.int32)
-        first = d4.token_to_req_indices(cupy.asarray(qsl), 6).get().tolist()
+        out = cupy.zeros(6, cupy.int32)
+        first = d4.token_to_req_indices(cupy.asarray(qsl), 6, out=out).get().tolist()
+        del out
         cupy.get_default_memory_pool().free_all_blocks()
-        cupy.cuda.runtime.deviceReset()
-        second = d4.token_to_req_indices(cupy.asarray(qsl), 6).get().tolist()
+        cupy.cuda.runtime.deviceSynchronize()
+        # What cudaDeviceReset does: the device's primary context is destroyed.
+        assert ctypes.CDLL("libcuda.so.1").cuDevicePrimaryCtxReset_v2(0) == 0
+        out = cupy.zeros(6, cupy.int32)
+        second = d4.token_to_req_indices(cupy.asarray(qsl), 6, out=out).get().tolist()
         print(first == second == [0, 0, 1, 1, 1, 0])
     """)
     assert run.returncode == 0, run.stderr[-3000:]
