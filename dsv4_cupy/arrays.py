@@ -414,23 +414,8 @@ def stream_getter(kind: str, device: int):
     return lambda: get_current_stream(device).ptr
 
 
-class _NoKey(Exception):
-    pass
-
-
-def _device_array_key(x) -> tuple:
-    family = _family(x)
-    if family is _TORCH:
-        if not x.is_cuda:
-            raise _NoKey
-        return type(x), x.data_ptr(), x.shape, x.stride(), x.dtype
-    if family is _CUPY:
-        return type(x), x.data.ptr, x.shape, x.strides, x.dtype
-    raise _NoKey
-
-
 # Not bool or float: True == 1 and 1.0 == 1 as keys, but the checks refuse them.
-_SCALAR_TYPES = (int, str, tuple, type(None))
+_SCALAR_TYPES = frozenset((int, str, tuple, type(None)))
 
 
 def host_key(x) -> tuple | None:
@@ -449,19 +434,29 @@ def host_key(x) -> tuple | None:
 
 def launch_key(*args) -> tuple | None:
     """A key that fixes everything the checks of a GPU call depend on: for each
-    device array its type, address, shape, strides and dtype; scalars as they
-    are. None when an argument is a host array or anything else (no fast path).
+    device array its address, shape, strides and dtype; scalars as they are.
+    None when an argument is a host array or anything else (no fast path).
 
     Two calls with equal keys pass the same checks and make the same launch
-    (addresses are unique across devices), so their prepared launch can be
-    reused; nothing here reads device memory.
+    (device addresses are unique across devices and never those of host
+    memory, so a key found in a cache was validated as the same kind of GPU
+    array), so their prepared launch can be reused; nothing here reads device
+    memory. This runs on every prepared call: attribute reads only.
     """
     key = []
-    try:
-        for x in args:
-            key.append(x if type(x) in _SCALAR_TYPES else _device_array_key(x))
-    except _NoKey:
-        return None
+    append = key.append
+    for x in args:
+        kind = type(x)
+        if kind in _SCALAR_TYPES:
+            append(x)
+            continue
+        family = _FAMILY.get(kind) or _family(x)
+        if family is _TORCH:
+            append((x.data_ptr(), x.shape, x.stride(), x.dtype))
+        elif family is _CUPY:
+            append((x.data.ptr, x.shape, x.strides, x.dtype))
+        else:
+            return None
     return tuple(key)
 
 

@@ -9,8 +9,8 @@ from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .dcp import check_cp
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .scalars import check_choice, check_int
-from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend, c128a_active_width,
-                   c128a_capacity)
+from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend,
+                   active_width_unchecked, c128a_active_width, c128a_capacity)
 from .prepared import PlanCache, PreparedCall
 from .split import host_prefilling as host_prefilling_view
 from .split import split_host
@@ -261,8 +261,14 @@ class DeepseekV4MetadataBuilder:
         if step is None:
             return None
         split = self._split(cm, step.host_query_start_loc, step.host_prefilling)
-        launch = step.launches.get((split, self.width(max_seq_len) if self.compress_ratio == 128
-                                    else 0, self._valid_tokens(cm, step.host_query_start_loc)))
+        if self.compress_ratio != 128:
+            width = 0
+        elif self.width_policy == "capacity":
+            width = self.capacity
+        else:
+            width = active_width_unchecked(max_seq_len, self.capacity)
+        launch = step.launches.get((split, width,
+                                    self._valid_tokens(cm, step.host_query_start_loc)))
         if launch is None or not launch.run():
             return None
         return self._metadata(cm, split, launch.results)

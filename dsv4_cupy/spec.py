@@ -87,6 +87,11 @@ def c128a_active_width(max_seq_len: int, capacity: int) -> int:
     if capacity % C128A_TOPK_ALIGNMENT:
         raise ValueError(f"capacity: expected a multiple of {C128A_TOPK_ALIGNMENT}, got "
                          f"{capacity}")
+    return active_width_unchecked(max_seq_len, capacity)
+
+
+def active_width_unchecked(max_seq_len: int, capacity: int) -> int:
+    """``c128a_active_width`` of checked ints (the builder's per-step path)."""
     return min(max(next_power_of_2(max(max_seq_len // 128, 1)), 128), capacity)
 
 
