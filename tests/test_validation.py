@@ -114,7 +114,8 @@ def test_full_validation_catches_bad_data(validate):
     with pytest.raises(ValueError, match="seq_lens: expected seq_len >= query_len"):
         d4.get_compressed_slot_mapping(7, batch.qsl, np.array([1, 24], I32), batch.block_table, 2,
                                        128, validate=validate)
-    with pytest.raises(ValueError, match="block_table: request 0 needs 2 blocks"):
+    with pytest.raises(ValueError, match="block_table: request 0 needs 2 blocks"), \
+            pytest.warns(UserWarning, match="the ops take the storage block"):
         d4.get_compressed_slot_mapping(300, np.array([0, 300], I32), np.array([300], I32),
                                        np.zeros((1, 1), I32), 1, 128, validate=validate)
     with pytest.raises(ValueError, match=r"block_table: expected entries in \[0, 10\)"):
