@@ -24,10 +24,12 @@ def require_gpu():
     cupy = cupy_module()
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # CUDARuntimeError: no driver / insufficient driver
-        raise NoGPUError(f"no usable CUDA device: no GPU or no NVIDIA driver was found "
-                         f"({type(error).__name__}: {error}); numpy and torch CPU arrays "
-                         "run on the CPU path") from None
+    except Exception as error:  # CUDARuntimeError
+        # With no driver at all the runtime reports an "insufficient" driver
+        # (35) or no device (100): say what is missing, not that it is old.
+        detail = "" if getattr(error, "status", None) in (35, 100) else f" ({error})"
+        raise NoGPUError(f"no usable CUDA device: no GPU or no NVIDIA driver was found"
+                         f"{detail}; numpy and torch CPU arrays run on the CPU path") from None
     if count == 0:
         raise NoGPUError("no usable CUDA device: the driver sees no GPU; numpy and torch CPU "
                          "arrays run on the CPU path")

@@ -1,13 +1,14 @@
-"""Capturing DeepseekV4MetadataBuilder.build in a CUDA graph and replaying it.
+"""A metadata build that lives inside a CUDA graph, with a consumer, replayed
+step after step with new values.
 
-A build makes no allocation and no host sync, and its launch arguments are the
-fixed addresses of the step's arrays and the builder's buffers. So one build
-can be captured (under torch.cuda.graph, and under CuPy stream capture), the
-step's inputs overwritten in place with a new step of the same shape, and the
-graph replayed: the results must equal a fresh numpy build of the new step.
-width_policy="capacity" (the default) keeps the C128A width fixed, so the
-graph stays valid whatever the new sequence lengths are. GPU only: without a
-GPU it prints a message and exits 0.
+``build_for_cudagraph_capture`` records the builder's one kernel launch in the
+caller's graph (torch.cuda.graph, or CuPy stream capture). The kernel reads
+everything that varies between steps from device memory, so each step only
+refreshes the captured input buffers in place, asks ``check_replay`` whether
+the step fits the captured shape (a uniform decode batch of fixed token and
+request counts, the same buffers), and replays: no host time goes to metadata.
+Each replay is checked against an eager numpy build. GPU only: without a GPU it
+prints a message and exits 0.
 
 Run:  python examples/cuda_graph.py
 """
@@ -15,49 +16,70 @@ import numpy as np
 
 import dsv4_cupy as d4
 from dsv4_cupy.device import require_gpu
-from numpy_pipeline import (DEVICE_FIELDS, assert_same_metadata, make_builder, make_step,
-                            move_step)
+
+MAX_MODEL_LEN = 1 << 17          # C128A rows hold up to 1024 entries
+MAX_TOKENS = 256
+REQUESTS, QUERY = 8, 2           # MTP decodes: 1 + 1 speculative token each
+PADDED_TOKENS = REQUESTS * QUERY + 4   # the captured shape: 4 graph-padding tokens
+DEVICE_FIELDS = ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "positions")
 
 
-def capture_with_torch(first, second, want):
-    import torch
-    builder = make_builder("torch")
-    step = move_step(first, lambda x: torch.from_numpy(x).cuda())
-    # Warm up on a side stream (kernel compile and load happen outside the capture).
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        builder.build(0, step)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        md = builder.build(0, step)
-    for name in DEVICE_FIELDS:                     # the next step, at the same addresses
-        getattr(step, name).copy_(torch.from_numpy(getattr(second, name)))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_metadata(md, want, to_numpy=lambda t: t.cpu().numpy())
-    print("torch.cuda.graph: replay with the new step's values matches numpy")
+def make_step(seed):
+    """A uniform decode step of the captured shape, as numpy arrays."""
+    rng = np.random.default_rng(seed)
+    seq_lens = rng.integers(QUERY, MAX_MODEL_LEN, REQUESTS)
+    qsl = np.arange(0, (REQUESTS + 1) * QUERY, QUERY, dtype=np.int32)
+    positions = np.concatenate([np.arange(s - QUERY, s) for s in seq_lens] + [np.zeros(4, int)])
+    table = rng.integers(0, 50_000, (REQUESTS, MAX_MODEL_LEN // 256), dtype=np.int32)
+    slots = rng.integers(0, 1 << 30, PADDED_TOKENS)
+    slots[REQUESTS * QUERY:] = -1                        # padding tokens
+    return d4.CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.copy(), seq_lens=seq_lens.astype(np.int32),
+        block_table_tensor=table, slot_mapping=slots.astype(np.int64),
+        positions=positions.astype(np.int64), num_reqs=REQUESTS,
+        num_actual_tokens=PADDED_TOKENS, max_query_len=QUERY, max_seq_len=int(seq_lens.max()))
 
 
-def capture_with_cupy(first, second, want):
-    import cupy
-    builder = make_builder("cupy")
-    step = move_step(first, cupy.asarray)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        builder.build(0, step)                     # warm-up: compile and load the kernel
-        stream.synchronize()
-        stream.begin_capture()
-        md = builder.build(0, step)
-        graph = stream.end_capture()
-        # The next step, copied on `stream` so that the replay comes after it.
-        for name in DEVICE_FIELDS:
-            getattr(step, name)[...] = cupy.asarray(getattr(second, name))
-        graph.launch(stream)
-        stream.synchronize()
-    assert_same_metadata(md, want, to_numpy=cupy.asnumpy)
-    print("CuPy stream capture: replay with the new step's values matches numpy")
+def make_builder(like):
+    return d4.DeepseekV4MetadataBuilder(128, MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=1,
+                                        like=like)
+
+
+def eager_rows(step):
+    """The eager build of a step at the captured (capacity) width, for checking."""
+    builder = d4.DeepseekV4MetadataBuilder(128, MAX_MODEL_LEN, MAX_TOKENS,
+                                           num_speculative_tokens=1, width_policy="capacity")
+    md = builder.build(0, step)
+    return md.c128a_global_decode_topk_indices, md.c128a_decode_topk_lens
+
+
+def run(module, to_device, to_numpy, capture, replay, synchronize):
+    builder = make_builder(module)
+    step = make_step(0)
+    captured = dict((name, to_device(getattr(step, name))) for name in DEVICE_FIELDS)
+    for name, value in captured.items():
+        setattr(step, name, value)
+    builder.build(0, step)                          # warm-up: compile and load outside the graph
+    synchronize()
+    md, visible = capture(lambda: consumer(builder.build_for_cudagraph_capture(step)))
+    for seed in range(1, 6):
+        new = make_step(seed)
+        for name in DEVICE_FIELDS:                  # refresh the captured buffers in place
+            captured[name][...] = to_device(getattr(new, name))
+        step.max_seq_len = new.max_seq_len
+        builder.check_replay(step)                  # the step fits the captured shape
+        replay()
+        synchronize()
+        rows, lens = eager_rows(new)
+        assert np.array_equal(to_numpy(md.c128a_global_decode_topk_indices), rows)
+        assert np.array_equal(to_numpy(md.c128a_decode_topk_lens), lens)
+        assert int(to_numpy(visible)) == int(lens.sum())
+    print(f"{module}: 5 replays with new steps match eager builds")
+
+
+def consumer(md):
+    """Stands in for the attention kernels: reads the metadata inside the graph."""
+    return md, md.c128a_decode_topk_lens.sum()
 
 
 def main():
@@ -66,21 +88,34 @@ def main():
     except d4.NoGPUError as error:
         print(f"no GPU ({error}); skipping this example")
         return
-    first, second = make_step(seed=0), make_step(seed=1)   # same shapes, new values
-    want = make_builder("numpy").build(0, second)
-    # Make sure a replay that still held the first step's results would fail.
-    assert not np.array_equal(make_builder("numpy").build(0, first).slot_mapping,
-                              want.slot_mapping)
-    print(f"captured step: {first.num_reqs} requests, {first.num_actual_tokens} tokens; "
-          f"replayed with seq_lens {first.seq_lens.tolist()} -> {second.seq_lens.tolist()}")
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphs = []
+
+    def cupy_capture(fn):
+        with stream:
+            stream.begin_capture()
+            result = fn()
+            graphs.append(stream.end_capture())
+        return result
+
+    with stream:
+        run("cupy", cupy.asarray, cupy.asnumpy, cupy_capture, lambda: graphs[0].launch(stream),
+            stream.synchronize)
     try:
         import torch
         has_torch_cuda = torch.cuda.is_available()
     except ImportError:
         has_torch_cuda = False
     if has_torch_cuda:
-        capture_with_torch(first, second, want)
-    capture_with_cupy(first, second, want)
+        graph = torch.cuda.CUDAGraph()
+
+        def torch_capture(fn):
+            with torch.cuda.graph(graph):
+                return fn()
+
+        run("torch", lambda x: torch.from_numpy(np.ascontiguousarray(x)).cuda(),
+            lambda t: t.cpu().numpy(), torch_capture, graph.replay, torch.cuda.synchronize)
 
 
 if __name__ == "__main__":

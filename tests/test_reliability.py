@@ -332,8 +332,9 @@ def test_item13_bench_without_a_gpu_points_to_cpu_only():
 def test_item13_no_gpu_error_says_no_gpu_was_found():
     from dsv4_cupy import device, errors
     pytest.importorskip("cupy")
-    with pytest.raises(errors.NoGPUError, match="no GPU or no NVIDIA driver was found"):
+    with pytest.raises(errors.NoGPUError, match="no GPU or no NVIDIA driver was found") as info:
         device.require_gpu()
+    assert "insufficient" not in str(info.value)
 
 
 # --- 14 is tests/test_readme.py; 15, 16 -------------------------------------------------------
