@@ -8,15 +8,20 @@ caller's stream. Results are of the same kind as the inputs.
 from .arrays import to_torch
 from .builder import DeepseekV4MetadataBuilder
 from .c128a import build_c128a_topk_metadata
+from .c4a import compute_global_topk_indices_and_lens, fill_short_context_topk_indices
+from .combine import combine_topk_swa_indices
 from .dcp import get_dcp_local_seq_lens
 from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
                      UnsupportedDeviceError)
+from .indexer import build_indexer_decode_metadata, build_indexer_prefill_chunk_metadata
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
+from .prefill_plan import compute_prefill_gather_lens, get_prefill_chunk_plan
 from .slot_mapping import get_compressed_slot_mapping
 from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, KV_BLOCK_SIZE,
                    PAD_SLOT_ID, DeepseekV4FlashMLABackend, c128a_active_width, c128a_capacity,
                    kv_cache_shape)
 from .split import split_decodes_and_prefills
+from .swa import compute_swa_indices_and_lens
 from .token_map import token_to_req_indices
 from .warmup import warmup
 
@@ -29,5 +34,8 @@ __all__ = [
     "c128a_active_width", "kv_cache_shape", "warmup", "to_torch", "C128A_TOPK_ALIGNMENT",
     "FP8_DS_MLA_BYTES_PER_TOKEN", "HEAD_SIZE", "KV_BLOCK_SIZE", "PAD_SLOT_ID", "Dsv4Error",
     "KernelCompileError", "NoGPUError", "NVRTCMissingError", "UnsupportedDeviceError",
-    "__version__",
+    "compute_swa_indices_and_lens", "compute_global_topk_indices_and_lens",
+    "fill_short_context_topk_indices", "combine_topk_swa_indices", "compute_prefill_gather_lens",
+    "get_prefill_chunk_plan", "build_indexer_prefill_chunk_metadata",
+    "build_indexer_decode_metadata", "__version__",
 ]

@@ -97,7 +97,7 @@ class DeepseekV4MetadataBuilder:
                                         maximum=MAX_BLOCK_SIZE)
         self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens",
-                                                       max_num_batched_tokens, minimum=1)
+                                                max_num_batched_tokens, minimum=1)
         self.block_size = check_int("block_size", block_size, minimum=1,
                                     maximum=MAX_BLOCK_SIZE * KV_BLOCK_SIZE)
         self.topk_tokens = check_int("index_topk", index_topk, minimum=1)
@@ -352,7 +352,7 @@ class DeepseekV4MetadataBuilder:
             raise TypeError("common_attn_metadata: expected a CommonAttentionMetadata, "
                             f"got {type(cm).__name__}")
         num_tokens = check_int("num_actual_tokens", cm.num_actual_tokens, minimum=0,
-                                      maximum=self.max_num_batched_tokens)
+                               maximum=self.max_num_batched_tokens)
         num_reqs = check_int("num_reqs", cm.num_reqs, minimum=0)
         check_int("max_seq_len", cm.max_seq_len, minimum=0)
         check_int("max_query_len", cm.max_query_len, minimum=0)

@@ -21,3 +21,17 @@ C128A = KernelFamily("c128a.cu", "c128a_topk_metadata", params.C128A,
 BUILD_STEP = KernelFamily("build_step.cu", "build_step", params.BUILD_STEP,
                           (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
 ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)
+
+# --- the per-layer and indexer metadata families -------------------------------------------
+SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA)
+GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK)
+SHORT_CONTEXT = KernelFamily("short_context.cu", "fill_short_context_topk_indices",
+                             params.SHORT_CONTEXT, (POSITIONS_AXIS,))
+COMBINE = KernelFamily("combine.cu", "combine_topk_swa_indices", params.COMBINE)
+PREFILL_GATHER = KernelFamily("prefill_gather.cu", "prefill_gather_lens", params.PREFILL_GATHER)
+INDEXER_PREFILL = KernelFamily("indexer_prefill.cu", "indexer_prefill_chunk_metadata",
+                               params.INDEXER_PREFILL)
+INDEXER_DECODE = KernelFamily("indexer_decode.cu", "indexer_decode_metadata",
+                              params.INDEXER_DECODE)
+ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
+        INDEXER_DECODE)

@@ -110,3 +110,35 @@ BUILD_STEP = Params("BuildStepParams", [
     ("slots_len", I64), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS), ("num_tokens", I64),
     ("num_decode_tokens", I64)])
 ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)
+
+# --- the per-layer and indexer metadata families (upstream.md §2, §4-§6, §8) ---------------
+SWA = Params("SwaParams", [
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("token_to_req", PTR),
+    ("is_valid_token", PTR), ("indices", PTR), ("lens", PTR), ("indices_stride", I64),
+    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64)])
+GLOBAL_TOPK = Params("GlobalTopkParams", [
+    ("table", BLOCK_TABLE), ("topk_indices", PTR), ("token_to_req", PTR),
+    ("is_valid_token", PTR), ("out", PTR), ("lens", PTR), ("topk_stride", I64),
+    ("out_stride", I64), ("width", I64), ("num_tokens", I64), ("block_size", I64),
+    ("compact", I64)])
+SHORT_CONTEXT = Params("ShortContextParams", [
+    ("positions", PTR), ("out", PTR), ("out_stride", I64), ("top_k", I64), ("ratio", I64),
+    ("num_tokens", I64), ("chunks", ROW_CHUNKS)])
+COMBINE = Params("CombineParams", [
+    ("query", QUERY_LAYOUT), ("gather_lens", PTR), ("topk_indices", PTR), ("out", PTR),
+    ("lens", PTR), ("topk_stride", I64), ("out_stride", I64), ("width", I64),
+    ("num_tokens", I64), ("window_size", I64), ("ratio", I64), ("topk", I64),
+    ("rows_per_request", I64), ("swa_offset", I64), ("chunks", ROW_CHUNKS)])
+PREFILL_GATHER = Params("PrefillGatherParams", [
+    ("query", QUERY_LAYOUT), ("out", PTR), ("num_decodes", I64), ("num_prefills", I64),
+    ("window_size", I64)])
+INDEXER_PREFILL = Params("IndexerPrefillParams", [
+    ("query", QUERY_LAYOUT), ("cu_compressed", PTR), ("token_to_seq", PTR), ("seqlen_ks", PTR),
+    ("seqlen_ke", PTR), ("num_compressed", I64), ("ratio", I64), ("query_slice_start", I64),
+    ("query_slice_stop", I64)])
+INDEXER_DECODE = Params("IndexerDecodeParams", [
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("context_lens", PTR), ("req_ids", PTR),
+    ("decode_lens", PTR), ("block_rows", PTR), ("block_rows_stride", I64), ("num_tokens", I64),
+    ("context_lens_len", I64), ("ratio", I64)])
+ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
+        INDEXER_DECODE)

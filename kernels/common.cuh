@@ -174,3 +174,55 @@ __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT
                            piece.c1, n, nullptr, (int)g.block_size);
     }
 }
+
+// --- helpers of the per-layer and indexer metadata kernels -------------------------------------
+
+// Global slot of row `within` of cache block `entry`, computed in 32 bits like
+// the seed (a product past 2^31 wraps the same way on every path).
+__device__ __forceinline__ int block_slot(int entry, int block_size, int within) {
+    return (int)((unsigned)entry * (unsigned)block_size + (unsigned)within);
+}
+
+// Writes value_of(e) to row[e] for e in [c0, c1), shared by `lanes` threads of
+// which this is `lane`: 16-byte streaming stores when row + c0 is 16-byte
+// aligned (as c128a_fill_columns, for any rule giving a column its value).
+template <typename ValueOf>
+__device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int c1, int lane,
+                                             int lanes, const ValueOf& value_of) {
+    int e = c0;
+    if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
+        const int vec_end = c0 + ((c1 - c0) & ~3);
+#pragma unroll 4
+        for (int v = c0 + 4 * lane; v < vec_end; v += 4 * lanes) {
+            int4 q;
+            q.x = value_of(v);
+            q.y = value_of(v + 1);
+            q.z = value_of(v + 2);
+            q.w = value_of(v + 3);
+            __stcs(reinterpret_cast<int4*>(row + v), q);
+        }
+        e = vec_end;
+    }
+    for (int s = e + lane; s < c1; s += lanes) row[s] = value_of(s);
+}
+
+// One warp per row, grid-stride: this warp's first row, the row step, its lane.
+struct WarpRows {
+    i64 first, step;
+    int lane;
+    __device__ __forceinline__ WarpRows()
+        : first(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5),
+          step(((i64)gridDim.x * blockDim.x) >> 5), lane((int)(threadIdx.x & 31)) {}
+};
+
+// The sum of v over the block (DSV4_THREADS threads), returned to every thread.
+// `scratch` holds DSV4_THREADS / 32 values; every thread of the block must call.
+__device__ __forceinline__ i64 block_sum(i64 v, i64* scratch) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    i64 total = 0;
+    for (int w = 0; w < DSV4_THREADS / 32; ++w) total += scratch[w];
+    __syncthreads();             // scratch is free for the next call
+    return total;
+}

@@ -89,3 +89,94 @@ struct BuildStepParams {
     i64 num_tokens;
     i64 num_decode_tokens;
 };
+
+// --- the per-layer and indexer metadata families (upstream.md §2, §4-§6, §8) ----------------
+struct SwaParams {               // compute_swa_indices_and_lens
+    QueryLayout query;           // num_reqs = min(query_start_loc rows, seq_lens length)
+    BlockTable table;            // the SWA group's block table
+    const int* token_to_req;     // [token_offset + num_rows] int32
+    const void* is_valid_token;  // [token_offset + num_rows] bool (one byte each)
+    int* indices;                // [num_rows, indices_stride] int32, window_size columns written
+    int* lens;                   // [num_rows] int32
+    i64 indices_stride;
+    i64 window_size;             // W, columns per row (128)
+    i64 block_size;              // SWA cache rows per block (64)
+    i64 token_offset;            // row i is token i + token_offset
+    i64 num_rows;
+};
+
+struct GlobalTopkParams {        // compute_global_topk_indices_and_lens
+    BlockTable table;            // the C4A group's block table
+    const int* topk_indices;     // [num_tokens, topk_stride] int32, request-local rows (may be out)
+    const int* token_to_req;     // [num_tokens] int32
+    const void* is_valid_token;  // [num_tokens] bool (one byte each)
+    int* out;                    // [num_tokens, out_stride] int32, width columns written
+    int* lens;                   // [num_tokens] int32
+    i64 topk_stride;
+    i64 out_stride;
+    i64 width;                   // K, columns of topk_indices read and of out written
+    i64 num_tokens;
+    i64 block_size;              // compressed rows per cache block (64 for C4A)
+    i64 compact;                 // 1: valid entries packed to the front of the row
+};
+
+struct ShortContextParams {      // fill_short_context_topk_indices
+    const void* positions;       // [num_tokens] int32 or int64 (entry suffix p32/p64)
+    int* out;                    // [num_tokens, out_stride] int32, top_k columns written
+    i64 out_stride;
+    i64 top_k;
+    i64 ratio;
+    i64 num_tokens;
+    RowChunks chunks;
+};
+
+struct CombineParams {           // combine_topk_swa_indices
+    QueryLayout query;           // the chunk's query_start_loc (any first value) and seq_lens
+    const int* gather_lens;      // [num_reqs] int32
+    const int* topk_indices;     // [num_tokens, topk_stride] int32, read below topk only
+    int* out;                    // [num_tokens, out_stride] int32, width columns written
+    int* lens;                   // [num_tokens] int32
+    i64 topk_stride;
+    i64 out_stride;
+    i64 width;                   // C = round_up(topk + window_size, 128)
+    i64 num_tokens;
+    i64 window_size;
+    i64 ratio;                   // compress ratio (>= 1 when topk > 0)
+    i64 topk;
+    i64 rows_per_request;        // M: workspace rows per request
+    i64 swa_offset;              // N: workspace row of a request's first SWA token
+    RowChunks chunks;
+};
+
+struct PrefillGatherParams {     // compute_prefill_gather_lens
+    QueryLayout query;           // num_reqs >= num_decodes + num_prefills
+    int* out;                    // [num_prefills] int32
+    i64 num_decodes;
+    i64 num_prefills;
+    i64 window_size;
+};
+
+struct IndexerPrefillParams {    // build_indexer_prefill_chunk_metadata
+    QueryLayout query;           // the chunk's query_start_loc (any first value) and seq_lens
+    int* cu_compressed;          // [num_reqs + 1] int32
+    int* token_to_seq;           // [num_compressed] int32, -1 past the true total
+    int* seqlen_ks;              // [query_slice_stop - query_slice_start] int32
+    int* seqlen_ke;              // [query_slice_stop - query_slice_start] int32
+    i64 num_compressed;
+    i64 ratio;
+    i64 query_slice_start;
+    i64 query_slice_stop;
+};
+
+struct IndexerDecodeParams {     // build_indexer_decode_metadata
+    QueryLayout query;
+    BlockTable table;            // rows >= num_reqs
+    int* context_lens;           // [context_lens_len] int32, zero past num_tokens
+    int* req_ids;                // [num_tokens] int32
+    int* decode_lens;            // [num_tokens] int32
+    int* block_rows;             // [num_tokens, block_rows_stride] int32, table.cols written
+    i64 block_rows_stride;
+    i64 num_tokens;
+    i64 context_lens_len;
+    i64 ratio;
+};

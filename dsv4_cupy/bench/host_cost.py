@@ -1,0 +1,110 @@
+"""Host cost per call, next to the launch floor measured in the same run.
+
+What a serving loop waits for before each step: the eager wall time of one
+call (``GpuTimer.host_us``: many calls back to back, then one sync), with torch
+CUDA tensors and ``out=`` buffers, for every op and builder case. The floor is
+a bare ``cuLaunchKernel`` of an empty kernel taking one 256-byte struct, the
+same launch path the library uses; Triton's launcher (7 tensors, 2 ints) is
+the upstream comparison.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def launch_floor_us(timer, torch) -> float:
+    import cupy
+
+    from .. import arrays
+    module = cupy.RawModule(code='struct Params { long long field[32]; };\n'
+                                 'extern "C" __global__ void empty_kernel(const Params p) {}')
+    function = module.get_function("empty_kernel").kernel
+    storage = np.zeros(256, np.uint8)
+    pointers = np.array([storage.ctypes.data], np.uint64)
+    device = torch.cuda.current_device()
+    stream = arrays.stream_getter(arrays.TORCH_CUDA, device)
+    launch = cupy.cuda.driver.launchKernel
+    return timer.host_us(lambda: launch(function.ptr, 1, 1, 1, 32, 1, 1, 0, stream(),
+                                        pointers.ctypes.data, 0), reps=5000)
+
+
+def triton_launcher_us(timer, torch) -> float | None:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def seven_tensors(p0, p1, p2, p3, p4, p5, p6, n, m, BLOCK: tl.constexpr):
+        pass
+
+    x = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    args = [x] * 7
+    return timer.host_us(lambda: seven_tensors[(1,)](*args, 1, 2, BLOCK=128), reps=2000)
+
+
+def op_cases(torch, make_step) -> list[tuple[str, object]]:
+    """(name, call) for each op with torch CUDA inputs and out= buffers."""
+    import dsv4_cupy as d4
+    t = {k: (torch.from_numpy(np.ascontiguousarray(v)).cuda() if isinstance(v, np.ndarray)
+             else v) for k, v in make_step(32, 1, [], 0).items()}
+    T, nd = t["positions"].shape[0], t["nd"]
+    req = torch.empty(T, dtype=torch.int32, device="cuda")
+    slots = torch.empty(T, dtype=torch.int64, device="cuda")
+    decode = torch.empty((T, 8192), dtype=torch.int32, device="cuda")
+    lens = torch.empty(T, dtype=torch.int32, device="cuda")
+    prefill = torch.empty((1, 8192), dtype=torch.int32, device="cuda")
+    return [
+        ("token_to_req_indices (32 tokens)",
+         lambda: d4.token_to_req_indices(t["qsl"], T, out=req)),
+        ("get_compressed_slot_mapping (32 tokens)",
+         lambda: d4.get_compressed_slot_mapping(T, t["qsl"], t["seq"], t["table"], 2, 128, slots)),
+        ("build_c128a_topk_metadata (32 decodes)",
+         lambda: d4.build_c128a_topk_metadata(t["positions"], 128, nd, req, t["table"], 2,
+                                              t["slots"], decode, lens, prefill,
+                                              max_compressed_tokens=8192)),
+    ]
+
+
+def builder_cases(torch, make_step, max_model_len, max_tokens) -> list[tuple[str, object]]:
+    import dsv4_cupy as d4
+    cases = []
+    for name, requests, query, prefills in (("decode 1x1", 1, 1, []), ("decode 32x1", 32, 1, []),
+                                            ("decode 256x2", 256, 2, []),
+                                            ("mixed 128+4096", 128, 1, [4096])):
+        step = make_step(requests, query, prefills, 3)
+        device = {k: torch.from_numpy(np.ascontiguousarray(step[k])).cuda()
+                  for k in ("qsl", "seq", "table", "slots", "positions")}
+        builder = d4.DeepseekV4MetadataBuilder(128, max_model_len, max_tokens,
+                                               num_speculative_tokens=query - 1, like="torch")
+        cm = d4.CommonAttentionMetadata(
+            query_start_loc=device["qsl"], query_start_loc_cpu=torch.from_numpy(step["qsl"]),
+            seq_lens=device["seq"], block_table_tensor=device["table"],
+            slot_mapping=device["slots"], positions=device["positions"],
+            num_reqs=len(step["seq"]), num_actual_tokens=step["positions"].shape[0],
+            max_query_len=step["max_q"], max_seq_len=step["max_seq"])
+        cases.append((f"builder.build {name}", lambda b=builder, c=cm: b.build(0, c)))
+    return cases
+
+
+def host_rows(timer, torch, make_step, max_model_len, max_tokens) -> tuple[list[dict], dict]:
+    floor = launch_floor_us(timer, torch)
+    triton_us = triton_launcher_us(timer, torch)
+    rows = []
+    for name, call in (op_cases(torch, make_step)
+                       + builder_cases(torch, make_step, max_model_len, max_tokens)):
+        host = timer.host_us(call, reps=2000)
+        rows.append({"case": name, "host_us": host, "x_floor": host / floor,
+                     "x_triton": host / triton_us if triton_us else float("nan")})
+    return rows, {"launch_floor_us": floor, "triton_launcher_us": triton_us}
+
+
+def print_host_rows(rows: list[dict], meta: dict) -> None:
+    triton_us = meta["triton_launcher_us"]
+    print(f"\nhost per call: launch floor {meta['launch_floor_us']:.2f} us, Triton launcher "
+          + (f"{triton_us:.2f} us" if triton_us else "not available"))
+    print(f"{'case':42} {'host us':>8} {'x floor':>8} {'x triton':>9}")
+    for row in rows:
+        print(f"{row['case']:42} {row['host_us']:8.2f} {row['x_floor']:8.2f} "
+              f"{row['x_triton']:9.2f}")

@@ -1,0 +1,181 @@
+"""Benchmark cases of the per-layer and indexer ops (GPU, torch CUDA arrays).
+
+Each case times the library's op by CUDA-graph replay (and its eager host
+time) and, for SWA, global top-k, the short-context fill and the combine, a
+Triton port of upstream's kernel (``triton_ports``) on the same inputs, after
+checking that both give the same bytes. GB/s counts the bytes the op writes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MAX_MODEL_LEN = 1 << 20
+WINDOW, SWA_BLOCK = 128, 64
+C4A_RATIO, C4A_BLOCK, INDEX_TOPK = 4, 64, 512
+C128A_RATIO, C128A_WIDTH = 128, 8192
+
+
+def _requests(rng, query_lens):
+    """qsl, seq_lens, token_to_req, positions of decodes-first requests with long contexts."""
+    query_lens = np.asarray(query_lens)
+    seq = query_lens + rng.integers(0, MAX_MODEL_LEN - query_lens.max(), len(query_lens))
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    token_to_req = np.repeat(np.arange(len(query_lens)), query_lens).astype(np.int32)
+    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query_lens, seq)])
+    return qsl, seq.astype(np.int32), token_to_req, positions.astype(np.int64)
+
+
+def layer_cases(quick: bool) -> list[tuple[str, str, dict]]:
+    """(op, case name, parameters)."""
+    cases = [("swa", "decode 256x2", dict(decodes=256, query_len=2)),
+             ("swa", "prefill 8192", dict(decodes=0, prefill=8192)),
+             ("global_topk", "decode 512 K=512", dict(tokens=512, width=512)),
+             ("short_fill", "8192 x 512", dict(tokens=8192, top_k=512)),
+             ("combine", "C128A 8192 C=8320", dict(tokens=8192, topk=C128A_WIDTH)),
+             ("combine", "C4A 8192 C=640", dict(tokens=8192, topk=INDEX_TOPK)),
+             ("combine", "SWA-only 8192 C=128", dict(tokens=8192, topk=0)),
+             ("gather_lens", "256 prefills", dict(prefills=256)),
+             ("indexer_prefill", "8192 queries", dict(tokens=8192)),
+             ("indexer_decode", "512 tokens", dict(tokens=512))]
+    if not quick:
+        cases += [("swa", "decode 1024x4", dict(decodes=1024, query_len=4)),
+                  ("global_topk", "decode 1024 K=1024", dict(tokens=1024, width=1024)),
+                  ("combine", "C128A 16384 C=8320", dict(tokens=16384, topk=C128A_WIDTH))]
+    return cases
+
+
+def _prepare(op: str, params: dict, torch, dev, rng, ports):
+    """(ours, port or None, outputs of ours, outputs of the port, MB written) for one
+    case; ``ports`` is the ``triton_ports`` module, or None without Triton."""
+    import dsv4_cupy as d4
+
+    def cuda(array):
+        return torch.from_numpy(np.ascontiguousarray(array)).to(dev)
+
+    def empty(*shape):
+        return torch.full(shape, -1, dtype=torch.int32, device=dev)
+
+    if op == "swa":
+        decodes = params["decodes"]
+        query_lens = [params.get("query_len", 1)] * decodes + (
+            [params["prefill"]] if "prefill" in params else [])
+        qsl, seq, token_to_req, _ = (cuda(x) for x in _requests(rng, query_lens))
+        rows = int(qsl[-1])
+        valid = torch.ones(rows, dtype=torch.bool, device=dev)
+        table = cuda(rng.integers(0, 1 << 22, (len(query_lens), MAX_MODEL_LEN // SWA_BLOCK),
+                                  dtype=np.int32))
+        args = (WINDOW, qsl, seq, token_to_req, valid, table, SWA_BLOCK, 0, rows)
+        ours_out, port_out = (empty(rows, 1, WINDOW), empty(rows)), (empty(rows, WINDOW),
+                                                                    empty(rows))
+        return (lambda: d4.compute_swa_indices_and_lens(*args, out=ours_out),
+                ports and (lambda: ports.swa_indices_and_lens(*port_out, *args)),
+                (ours_out[0][:, 0], ours_out[1]), port_out, rows * (WINDOW + 1) * 4 / 1e6)
+    if op == "global_topk":
+        tokens, width = params["tokens"], params["width"]
+        _, _, token_to_req, positions = _requests(rng, [1] * tokens)
+        topk = rng.integers(0, MAX_MODEL_LEN // C4A_RATIO, (tokens, width), dtype=np.int32)
+        topk[rng.random(topk.shape) < 0.1] = -1
+        table = rng.integers(0, 1 << 22, (tokens, MAX_MODEL_LEN // 256), dtype=np.int32)
+        args = (cuda(topk), cuda(token_to_req), cuda(table), C4A_BLOCK,
+                torch.ones(tokens, dtype=torch.bool, device=dev))
+        ours_out, port_out = (empty(tokens, width), empty(tokens)), (empty(tokens, width),
+                                                                     empty(tokens))
+        return (lambda: d4.compute_global_topk_indices_and_lens(*args, out=ours_out),
+                ports and (lambda: ports.global_topk_indices_and_lens(*port_out, *args)),
+                ours_out, port_out, tokens * (width + 1) * 4 / 1e6)
+    if op == "short_fill":
+        tokens, top_k = params["tokens"], params["top_k"]
+        positions = cuda(rng.integers(0, 2048, tokens))
+        ours_out, port_out = empty(tokens, top_k), empty(tokens, top_k)
+        return (lambda: d4.fill_short_context_topk_indices(positions, top_k, C4A_RATIO,
+                                                           out=ours_out),
+                ports and (lambda: ports.fill_short_context_topk_indices(
+                    port_out, positions, top_k, C4A_RATIO, tokens)),
+                (ours_out,), (port_out,), tokens * top_k * 4 / 1e6)
+    if op == "combine":
+        tokens, topk = params["tokens"], params["topk"]
+        qsl, seq, _, positions = _requests(rng, [tokens])
+        ratio = C128A_RATIO if topk == C128A_WIDTH else (C4A_RATIO if topk else 0)
+        if ratio == C128A_RATIO:        # the C128A prefill rows: 0..n-1, the same rule
+            local = d4.fill_short_context_topk_indices(cuda(positions), topk, ratio)
+        else:                           # an indexer's top-k (none for SWA-only layers)
+            visible = int(positions.max() + 1) // max(ratio, 1)
+            local = cuda(rng.integers(0, max(visible, 1), (tokens, topk), dtype=np.int32))
+        gather = d4.compute_prefill_gather_lens(qsl, seq, 0, 1, WINDOW)
+        swa_offset = int(seq.max()) // ratio if ratio > 1 else 0
+        rows_per_request = swa_offset + int(gather.max())
+        args = (local, cuda(qsl), cuda(seq), cuda(gather), WINDOW, ratio, topk, rows_per_request,
+                swa_offset)
+        width = d4.combine.combined_width(topk, WINDOW)
+        ours_out, port_out = (empty(tokens, width), empty(tokens)), (empty(tokens, width),
+                                                                     empty(tokens))
+        return (lambda: d4.combine_topk_swa_indices(*args, out=ours_out),
+                ports and (lambda: ports.combine_topk_swa_indices(*port_out, *args)),
+                ours_out, port_out, tokens * (width + 1) * 4 / 1e6)
+    if op == "gather_lens":
+        prefills = params["prefills"]
+        qsl, seq, _, _ = (cuda(x) for x in _requests(rng, [64] * prefills))
+        out = empty(prefills)
+        return (lambda: d4.compute_prefill_gather_lens(qsl, seq, 0, prefills, out=out),
+                None, (out,), None, prefills * 4 / 1e6)
+    if op == "indexer_prefill":
+        tokens = params["tokens"]
+        qsl, seq, _, _ = _requests(rng, [tokens])
+        total = int(seq.sum()) // C4A_RATIO
+        outs = (empty(2), empty(total), empty(tokens), empty(tokens))
+        qsl, seq = cuda(qsl), cuda(seq)
+        return (lambda: d4.build_indexer_prefill_chunk_metadata(
+                    qsl, seq, C4A_RATIO, 0, tokens, num_compressed=total, out=outs),
+                None, outs, None, (2 + total + 2 * tokens) * 4 / 1e6)
+    if op == "indexer_decode":
+        tokens = params["tokens"]
+        qsl, seq, _, _ = (cuda(x) for x in _requests(rng, [1] * tokens))
+        cols = MAX_MODEL_LEN // 256
+        table = cuda(rng.integers(0, 1 << 22, (tokens, cols), dtype=np.int32))
+        outs = (empty(tokens), empty(tokens), empty(tokens), empty(tokens, cols))
+        return (lambda: d4.build_indexer_decode_metadata(qsl, seq, table, tokens, C4A_RATIO,
+                                                         out=outs),
+                None, outs, None, tokens * (3 + cols) * 4 / 1e6)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def layer_rows(quick: bool, timer, write_ceiling_gbps: float, progress) -> list[dict]:
+    import torch
+    try:
+        from . import triton_ports as ports
+    except ImportError:                          # no Triton: no comparison column
+        ports = None
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(5)
+    rows = []
+    for op, name, params in progress(layer_cases(quick)):
+        ours, port, ours_out, port_out, written_mb = _prepare(op, params, torch, dev, rng, ports)
+        row = {"op": op, "case": name, "MB": written_mb}
+        row["ours_layer_graph_us"] = timer.graph_us(ours)
+        row["ours_layer_host_us"] = timer.host_us(ours)
+        row["ours_layer_GBps"] = written_mb / row["ours_layer_graph_us"] * 1e3
+        row["write_ceiling_pct"] = 100 * row["ours_layer_GBps"] / write_ceiling_gbps
+        if port is not None:
+            ours()
+            port()
+            torch.cuda.synchronize()
+            row["triton_same_bytes"] = all(torch.equal(a, b) for a, b in zip(ours_out, port_out))
+            row["triton_graph_us"] = timer.graph_us(port)
+            row["x_triton"] = row["triton_graph_us"] / row["ours_layer_graph_us"]
+        rows.append(row)
+    return rows
+
+
+def print_layer_rows(rows: list[dict]) -> None:
+    layer = [r for r in rows if "ours_layer_graph_us" in r]
+    if not layer:
+        return
+    print(f"\n{'op':15} {'case':20} {'ours graph us':>13} {'triton graph us':>15} {'x':>5} "
+          f"{'same':>5} {'ours host us':>12} {'MB':>7} {'GB/s':>6} {'%wr':>4}")
+    for r in layer:
+        triton = (f"{r['triton_graph_us']:15.2f} {r['x_triton']:5.2f} "
+                  f"{str(r['triton_same_bytes']):>5}") if "triton_graph_us" in r else \
+            f"{'-':>15} {'-':>5} {'-':>5}"
+        print(f"{r['op']:15} {r['case']:20} {r['ours_layer_graph_us']:13.2f} {triton} "
+              f"{r['ours_layer_host_us']:12.1f} {r['MB']:7.2f} {r['ours_layer_GBps']:6.0f} "
+              f"{r['write_ceiling_pct']:4.0f}")

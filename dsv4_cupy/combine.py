@@ -1,0 +1,118 @@
+"""``combine_topk_swa_indices``: one sparse-prefill index row per token of a chunk."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays, cpu_layers, families, geometry, layer_arrays, layer_validation, params
+from . import validation
+from .arrays import INT32
+from .scalars import check_int
+from .spec import MAX_BLOCK_SIZE, round_up
+
+#: FlashMLA sparse prefill needs the row width to be a multiple of its top-k block.
+COMBINED_WIDTH_ALIGNMENT = 128
+
+
+def combined_width(topk: int, window_size: int) -> int:
+    """``C = round_up(topk + window_size, 128)``: 640 (C4A Flash), 8320 (C128A at 1M), 128 (SWA)."""
+    return round_up(topk + window_size, COMBINED_WIDTH_ALIGNMENT)
+
+
+def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
+                             window_size: int, compress_ratio: int, topk: int, M: int, N: int,
+                             *, out=None, validate: str = "default"):
+    """Compressed top-k entries then the sliding window, as rows into a chunk's workspace.
+
+    vLLM's ``combine_topk_swa_indices`` (upstream.md §6) in its hardened
+    DeepSeek-V4.1 form: the -1 tail is written by the kernel (so persistent
+    buffers work), local entries outside ``[0, N)`` become -1 in place, lengths
+    are clamped at 0, the window never starts before the gathered region, and
+    rows past the chunk's last token are all -1 with length 0.
+
+    Parameters
+    ----------
+    topk_indices : int32 array ``[T, >= topk]`` (rows contiguous, any row stride)
+        Request-local compressed rows of the chunk's tokens (the C4A indexer's
+        top-k, the C128A prefill rows, the short-context fill); columns at or
+        past ``topk`` are never read. SWA-only layers pass ``[T, 0]``.
+    query_start_loc : int32 array ``[R + 1]``
+        The chunk's slice of the step's ``query_start_loc``: rebased by its
+        first element (which need not be 0).
+    seq_lens, gather_lens : int32 arrays ``[>= R]``
+        Sequence lengths and the raw tokens gathered per request
+        (``compute_prefill_gather_lens``).
+    window_size : int
+        ``W`` (128).
+    compress_ratio : int
+        4 or 128; anything >= 0 when ``topk`` is 0 (SWA-only layers).
+    topk : int
+        Compressed entries per row at most (index_topk, or the C128A width; 0).
+    M, N : int
+        Workspace rows per request and the workspace row where a request's
+        gathered SWA tokens start (``N = max compressed``, ``M = N + max gather``).
+    out : ``(indices, lens)``, optional
+        int32 ``[>= T, >= C]`` and ``[>= T]``; only the result region is written.
+    validate : "default" or "full"
+        "full" also checks (a sync on GPU) the chunk's query layout, a row for
+        every chunk token, ``gather_lens`` at least ``q + min(L - q, W - 1)``
+        and at most ``M - N``, and ``M * R`` within int32.
+
+    Returns
+    -------
+    ``(indices [T, C] int32, lens [T] int32)`` with ``C = round_up(topk + W, 128)``.
+    Token ``t`` of request ``b`` at position ``p = L - q + j``: ``k_len =
+    min(max((p + 1) // ratio, 0), topk)`` entries ``x + M * b`` (``x`` the
+    row's entry; -1 unless ``0 <= x < N``, still counted), then ``s_len =
+    max(p - s + 1, 0)`` entries ``M * b + N + (s - g0) + i`` with
+    ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1, 0, g0)``, then -1;
+    ``lens = k_len + s_len``. Values are int32 (wrapping).
+    """
+    indices_out, lens_out = layer_arrays.out_buffers(out, ("indices", "lens"))
+    kind, device, ops = arrays.probe_all({
+        "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
+        "gather_lens": gather_lens, "out[0]": indices_out, "out[1]": lens_out})
+    topk_op, qsl, seq, gather = (ops["topk_indices"], ops["query_start_loc"], ops["seq_lens"],
+                                 ops["gather_lens"])
+    window_size = layer_arrays.check_columns("window_size", window_size, minimum=1)
+    topk = layer_arrays.check_columns("topk", topk)
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1 if topk else 0,
+                               maximum=MAX_BLOCK_SIZE)
+    M = check_int("M", M, minimum=0, maximum=np.iinfo(np.int32).max)   # values are int32
+    N = check_int("N", N, minimum=0, maximum=M)
+    arrays.check(topk_op, (INT32,), 2, min_cols=topk)
+    arrays.check(qsl, (INT32,), 1, min_len=1)
+    num_reqs = qsl.shape[0] - 1
+    arrays.check(seq, (INT32,), 1, min_len=num_reqs)
+    arrays.check(gather, (INT32,), 1, min_len=num_reqs)
+    num_tokens = topk_op.shape[0]
+    width = combined_width(topk, window_size)
+    indices = arrays.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
+    lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
+    arrays.check_no_alias([indices, lens], [topk_op, qsl, seq, gather])
+    if validation.check_mode(validate):
+        layer_validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
+                                        window_size, M, N)
+
+    if kind in arrays.GPU_KINDS:
+        if num_tokens:
+            cols_per_block, chunks, row_blocks = geometry.row_chunks(num_tokens, width, device)
+            families.COMBINE.launch(
+                device, row_blocks, arrays.launch_stream(kind, device),
+                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
+                                                 num_reqs=num_reqs),
+                gather_lens=gather.ptr, topk_indices=topk_op.ptr, out=indices.ptr, lens=lens.ptr,
+                topk_stride=arrays.row_stride(topk_op),
+                out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
+                window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
+                swa_offset=N, chunks=params.ROW_CHUNKS.values(
+                    cols_per_block=cols_per_block, chunks=chunks, row_blocks=row_blocks))
+    else:
+        view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
+        flat_topk, topk_stride = view_2d(topk_indices, kind)
+        flat_out, out_stride = view_2d(indices.array, kind)
+        cpu_layers.combine_topk_swa_indices(
+            flat_topk, topk_stride, view(query_start_loc, kind), np.int64(num_reqs),
+            view(seq_lens, kind), view(gather_lens, kind), np.int64(window_size),
+            np.int64(compress_ratio), np.int64(topk), np.int64(M), np.int64(N),
+            np.int64(num_tokens), np.int64(width), flat_out, out_stride, view(lens.array, kind))
+    return indices.array[:num_tokens, :width], lens.array[:num_tokens]

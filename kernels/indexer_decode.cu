@@ -1,0 +1,40 @@
+// build_indexer_decode_metadata (vLLM #56562, then DSv4's division by the
+// ratio): one warp per token t < num_tokens. A real token (t < qsl[R]) of
+// request b at in-request offset j gets context length
+// max(L - q + j + 1, 0) / ratio, request id b and a copy of block-table row b;
+// a padding token gets length 0, the distinct id R + (t - qsl[R]) and a zero
+// row. Every token's decode length is 1. Then the whole length buffer past
+// num_tokens is zeroed (a persistent buffer longer than the step).
+#include "common.cuh"
+
+namespace dsv4 {
+__device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParams& p) {
+    const int* __restrict__ qsl = p.query.query_start_loc;
+    const i64 num_reqs = p.query.num_reqs, mapped = qsl[num_reqs];
+    const WarpRows rows;
+    for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
+        const bool real = num_reqs > 0 && t < mapped;
+        const int b = real ? request_of(qsl, num_reqs, t) : 0;
+        const int* block_row = real ? p.table.entries + (i64)b * p.table.row_stride : nullptr;
+        fill_columns(p.block_rows + t * p.block_rows_stride, 0, (int)p.table.cols, rows.lane, 32,
+                     [&](int c) { return real ? block_row[c] : 0; });
+        if (rows.lane == 0) {
+            if (real) {
+                const i64 qs = qsl[b];
+                const i64 length = (i64)p.query.seq_lens[b] - ((i64)qsl[b + 1] - qs) + (t - qs) + 1;
+                p.context_lens[t] = (int)((length > 0 ? length : 0) / p.ratio);
+                p.req_ids[t] = b;
+            } else {
+                p.context_lens[t] = 0;
+                p.req_ids[t] = (int)(num_reqs + (t - mapped));
+            }
+            p.decode_lens[t] = 1;
+        }
+    }
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 t = p.num_tokens + (i64)blockIdx.x * blockDim.x + threadIdx.x;
+         t < p.context_lens_len; t += stride)
+        p.context_lens[t] = 0;
+}
+
+}  // namespace dsv4

@@ -1,0 +1,194 @@
+"""compute_global_topk_indices_and_lens (upstream.md §4) and
+fill_short_context_topk_indices (§5) on every array kind: holes, invalid
+tokens, requests outside the table, block columns past the logical width
+(never the row stride), the 0x7FC00000 index, compaction, in-place use over
+several slices of a row, and bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+from batches import POISON
+from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
+from layer_runs import run_global_topk, run_short_context, strided
+
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+I32, I64 = np.int32, np.int64
+NAN_INDEX = 0x7FC00000
+TOPK_A = [[0, 5, -1, 9, 7], [3, 4, -1, 0, NAN_INDEX], [1, 2, 3, 4, 5], [0, 1, 2, 3, 4],
+          [0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compact", [False, True])
+def test_holes_invalid_tokens_and_bad_requests(kind, compact):
+    rows, lens = run_global_topk(kind, TOPK_A, [0, 1, 0, 2, -1], [[2, 5], [7, 1]], 4,
+                                 [True, True, False, True, True], compact)
+    first = [8, 21, 23, -1, -1] if compact else [8, 21, -1, -1, 23]
+    assert rows[0].tolist() == first and lens.tolist() == [3, 3, 0, 0, 0]
+    assert (rows[2:] == -1).all()                   # invalid token, request 2 and -1: all -1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_columns_past_the_logical_width_are_invalid(kind):
+    # x = 8 is column 2 of a 2-column table whose row stride holds more: -1.
+    for request in (2, 100, -1):
+        rows, lens = run_global_topk(kind, [[0, 8, 7, NAN_INDEX]], [request], [[3, 4]] * 2, 4,
+                                     [True])
+        assert lens.tolist() == [0] and (rows == -1).all()
+    rows, lens = run_global_topk(kind, [[0, 8, 7, NAN_INDEX]], [1], [[3, 4]] * 2, 4, [True])
+    assert rows.tolist() == [[12, -1, 19, -1]] and lens.tolist() == [2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("width", [1, 255, 256, 600, 1024])
+def test_long_rows_in_place_over_several_slices(kind, compact, width):
+    # Invalid entries before valid ones in every slice of the row, so packing
+    # moves entries across the slices the kernel reads one after another.
+    rng = np.random.default_rng(width)
+    topk = rng.integers(0, 64 * 20, (6, width)).astype(I32)
+    topk[rng.random(topk.shape) < 0.3] = -1
+    topk[rng.random(topk.shape) < 0.05] = NAN_INDEX
+    table = rng.integers(0, 10_000, (3, 16)).astype(I32)
+    table[2, 10:] = -1                                             # a -1 tail
+    run_global_topk(kind, topk, [0, 1, 2, 0, 1, 2], table, 64,
+                    [True, True, True, False, True, True], compact)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_rows_and_int32_wrap(kind):
+    rng = np.random.default_rng(9)
+    for _ in range(15):
+        run_global_topk(kind, *random_global_topk_case(rng))
+    rows, lens = run_global_topk(kind, [[3, 8, -1]], [0], [[300_000_000]], 8, [True])
+    assert rows.tolist() == [[-1_894_967_293, -1, -1]] and lens.tolist() == [1]
+    rows, lens = run_global_topk(kind, np.zeros((0, 7), I32), [], [[1]], 8, [])
+    assert rows.shape == (0, 7) and lens.shape == (0,)
+
+
+def random_global_topk_case(rng):
+    """(topk, token_to_req, table, block_size, is_valid, compact)."""
+    tokens, width = int(rng.integers(0, 8)), int(rng.choice([0, 1, 7, 40, 300]))
+    block_size = int(rng.choice([1, 3, 4, 64]))
+    requests, cols = int(rng.integers(0, 4)), int(rng.integers(0, 6))
+    topk = rng.integers(-2, block_size * (cols + 1) + 1, (tokens, width)).astype(I32)
+    token_to_req = rng.integers(-1, requests + 1, tokens).tolist()
+    table = rng.integers(-1, 1000, (requests, cols)).astype(I32)
+    valid = (rng.random(tokens) < 0.85).tolist()
+    return topk, token_to_req, table, block_size, valid, bool(rng.random() < 0.5)
+
+
+# --- §5 short-context fill -----------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("top_k", [512, 1024])
+@pytest.mark.parametrize("dtype", [I32, I64])
+def test_short_context_positions(kind, top_k, dtype):
+    rows = run_short_context(kind, [0, 2, 3, 4, 2047, 4095, 9000, -5], top_k, 4, dtype=dtype)
+    assert (rows[:2] == -1).all() and rows[2, :2].tolist() == [0, -1]
+    assert rows[4, 511] == 511 and (rows[4, 512:] == -1).all()
+    assert (rows[6] == np.arange(top_k)).all()                     # never longer than top_k
+    assert (rows[7] == -1).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_short_context_num_tokens_and_small_widths(kind):
+    run_short_context(kind, [0, 3, 7, 100, -5], 4, 4, num_tokens=2)
+    run_short_context(kind, [0, 3, 7, 100, -5], 4, 4, num_tokens=0)
+    run_short_context(kind, [100, 300], 0, 4)
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        run_short_context(kind, rng.integers(-10, 3000, int(rng.integers(0, 9))).tolist(),
+                          int(rng.integers(0, 700)), int(rng.choice([1, 4, 128])))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_short_context_into_a_row_strided_buffer_then_to_global(kind):
+    # The C4A shortcut: fill a wide persistent buffer's rows, then convert them in place.
+    positions = np.array([40, 700, 2000], I64)
+    buffer = to_kind(np.full((4, 520), POISON, I32), kind)
+    local = d4.fill_short_context_topk_indices(to_kind(positions, kind), 512, 4,
+                                               out=buffer[:, :512])
+    table = strided(np.arange(100, 112, dtype=I32).reshape(1, 12), kind)
+    rows, lens = d4.compute_global_topk_indices_and_lens(
+        local, to_kind(np.zeros(3, I32), kind), table, 64, to_kind(np.ones(3, bool), kind),
+        out=(local, None))
+    got = to_numpy(buffer)
+    assert (got[3] == POISON).all() and (got[:, 512:] == POISON).all()
+    visible = (positions + 1) // 4
+    assert to_numpy(lens).tolist() == np.minimum(visible, 512).tolist()
+    k = np.arange(512)
+    want = np.where(k < visible[:, None], (100 + k // 64) * 64 + k % 64, -1)
+    np.testing.assert_array_equal(to_numpy(rows), want)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+def topk_args(**changes):
+    args = dict(topk_indices=np.zeros((2, 4), I32), token_to_req_indices=np.zeros(2, I32),
+                block_table=np.ones((1, 2), I32), block_size=64,
+                is_valid_token=np.ones(2, bool),
+                out=(np.full((3, 5), POISON, I32), np.full(3, POISON, I32)))
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("changes,error,match", [
+    (dict(topk_indices=np.zeros((2, 4), I64)), TypeError, "topk_indices: expected dtype int32"),
+    (dict(topk_indices=np.zeros(4, I32)), ValueError, "topk_indices: expected a 2-D array"),
+    (dict(topk_indices=np.zeros((4, 2), I32).T), ValueError,
+     "topk_indices: expected a C-contiguous array"),
+    (dict(is_valid_token=np.ones(2, np.uint8)), TypeError, "is_valid_token: expected dtype bool"),
+    (dict(token_to_req_indices=np.zeros(1, I32)), ValueError,
+     "token_to_req_indices: expected at least 2 elements"),
+    (dict(compact=1), TypeError, "compact: expected a bool, got int"),
+    (dict(block_size=-64), ValueError, "block_size: expected an int >= 1"),
+    (dict(out=(np.zeros((3, 3), I32), np.zeros(3, I32))), ValueError,
+     r"out\[0\]: expected at least 4 columns"),
+    (dict(out=(np.zeros((3, 5), I32), np.zeros(1, I32))), ValueError,
+     r"out\[1\]: expected at least 2 elements"),
+    (dict(out=np.zeros((3, 5), I32)), TypeError, "out: expected a tuple of 2 arrays"),
+])
+def test_bad_input_names_the_argument_and_writes_nothing(changes, error, match):
+    args = topk_args(**changes)
+    with pytest.raises(error, match=match):
+        d4.compute_global_topk_indices_and_lens(**args)
+    for buffer in topk_args()["out"]:
+        assert (buffer == POISON).all()
+
+
+def test_only_exact_in_place_overlap_is_allowed():
+    buffer = np.full((4, 4), 3, I32)
+    lens = np.full(4, POISON, I32)
+    # Shifted by a row: output row 0 is input row 1 (read after it is written).
+    with pytest.raises(ValueError, match=r"out\[0\]: output memory overlaps topk_indices"):
+        d4.compute_global_topk_indices_and_lens(**topk_args(topk_indices=buffer[:2],
+                                                            out=(buffer[1:], lens)))
+    with pytest.raises(ValueError, match=r"out\[1\]: output memory overlaps topk_indices"):
+        d4.compute_global_topk_indices_and_lens(**topk_args(
+            topk_indices=buffer[:2], out=(np.zeros((2, 4), I32), buffer[1])))
+    assert (buffer == 3).all() and (lens == POISON).all()
+    # The same buffer, longer than the input: converted in place.
+    d4.compute_global_topk_indices_and_lens(**topk_args(topk_indices=buffer[:2],
+                                                        out=(buffer, lens)))
+    assert buffer[:2].tolist() == [[67, 67, 67, 67]] * 2 and (buffer[2:] == 3).all()
+
+
+def test_short_context_bad_input_and_full_validation():
+    out = np.full((2, 8), POISON, I32)
+    with pytest.raises(TypeError, match="positions: expected dtype int32 or int64, got float32"):
+        d4.fill_short_context_topk_indices(np.zeros(2, np.float32), 8, 4, out=out)
+    with pytest.raises(ValueError, match="num_tokens: expected an int <= 2, got 3"):
+        d4.fill_short_context_topk_indices(np.zeros(2, I64), 8, 4, 3, out=out)
+    with pytest.raises(ValueError, match="compress_ratio: expected an int >= 1"):
+        d4.fill_short_context_topk_indices(np.zeros(2, I64), 8, 0, out=out)
+    with pytest.raises(ValueError, match="out: expected at least 9 columns"):
+        d4.fill_short_context_topk_indices(np.zeros(2, I64), 9, 4, out=out)
+    with pytest.raises(ValueError, match=r"positions: the short-context fill needs \(p \+ 1\) "
+                                         r"// 4 <= top_k = 8, got position 40 at token 1"):
+        d4.fill_short_context_topk_indices(np.array([3, 40], I64), 8, 4, out=out,
+                                           validate="full")
+    assert (out == POISON).all()
+    with pytest.raises(ValueError, match="token_to_req_indices: expected request ids in"):
+        d4.compute_global_topk_indices_and_lens(**topk_args(
+            token_to_req_indices=np.array([0, 1], I32), validate="full"))

@@ -1,0 +1,209 @@
+"""The indexer metadata (upstream.md §8.1, §8.2) on every array kind and the
+prefill chunk plan (§8.4, host): upstream's cases, a chunk not starting at 0,
+query slices, num_compressed past or short of the total, padding tokens with
+distinct ids, padded block-table strides, the zeroed tail of a longer length
+buffer (vLLM #56562), and bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+import reference_upstream as upstream
+from batches import POISON
+from conftest import GPU_KINDS, HAS_TORCH, HOST_KINDS, to_kind, to_numpy
+from layer_runs import run_indexer_decode, run_indexer_prefill
+
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+I32, I64 = np.int32, np.int64
+
+
+# --- §8.1 prefill chunks -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_chunk_upstream_cases(kind):
+    cu, token_to_seq, ks, ke = run_indexer_prefill(kind, [10, 13, 15], [10, 7], 4, 0, 5)
+    assert cu.tolist() == [0, 2, 3] and token_to_seq.tolist() == [0, 0, 1]
+    assert ks.tolist() == [0, 0, 0, 2, 2] and ke.tolist() == [2, 2, 2, 3, 3]
+    _, _, ks, ke = run_indexer_prefill(kind, [0, 3, 5], [10, 7], 4, 2, 4)
+    assert ks.tolist() == [0, 2] and ke.tolist() == [2, 3]
+    _, _, ks, ke = run_indexer_prefill(kind, [0, 8], [8], 4, 0, 8)
+    assert ke.tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    _, _, ks, ke = run_indexer_prefill(kind, [0, 5, 5, 12], [9, 3, 40], 4, 0, 12)
+    positions = [4, 5, 6, 7, 8] + list(range(33, 40))
+    assert (ke - ks).tolist() == [(p + 1) // 4 for p in positions]
+    run_indexer_prefill(kind, [7], [], 4, 0, 0)                        # no request
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_chunk_random_against_the_reference(kind):
+    rng = np.random.default_rng(12)
+    for _ in range(15):
+        run_indexer_prefill(kind, *random_indexer_prefill_case(rng))
+
+
+def random_indexer_prefill_case(rng):
+    """(qsl, seq_lens, ratio, start, stop) of one chunk."""
+    query_lens = rng.integers(0, 20, int(rng.integers(0, 6)))
+    seq = query_lens + rng.integers(0, 300, len(query_lens))
+    qsl = (int(rng.integers(0, 30)) + np.concatenate([[0], np.cumsum(query_lens)])).tolist()
+    total = int(query_lens.sum())
+    start = int(rng.integers(0, total + 1))
+    return qsl, seq.tolist(), int(rng.choice([1, 4, 128])), start, int(
+        rng.integers(start, total + 1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_num_compressed_past_or_short_of_the_total_and_a_slice_past_the_tokens(kind):
+    qsl, seq = to_kind(np.array([0, 3, 5], I32), kind), to_kind(np.array([10, 7], I32), kind)
+    cu, token_to_seq, _, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5,
+                                                                     num_compressed=6)
+    assert to_numpy(cu).tolist() == [0, 2, 3]
+    assert to_numpy(token_to_seq).tolist() == [0, 0, 1, -1, -1, -1]   # -1 past the total
+    _, token_to_seq, _, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5,
+                                                                    num_compressed=2)
+    assert to_numpy(token_to_seq).tolist() == [0, 0]
+    # Slice offsets past the chunk's 5 tokens get an empty range at the total.
+    _, _, ks, ke = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 3, 8, num_compressed=3)
+    assert to_numpy(ks).tolist() == [2, 2, 3, 3, 3] and to_numpy(ke).tolist() == [3, 3, 3, 3, 3]
+
+
+# --- §8.2 decode -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_mixed_query_lengths_and_padding(kind):
+    qsl = [0, 0, 2, 8, 8, 12]                                        # query lens [0, 2, 6, 0, 4]
+    table = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    context, req_ids, decode, rows = run_indexer_decode(kind, qsl, [5, 9, 20, 3, 7], table, 14, 4)
+    assert context.tolist() == [2, 2, 3, 4, 4, 4, 4, 5, 1, 1, 1, 1, 0, 0]
+    assert req_ids.tolist() == [1, 1, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 5, 6]
+    assert decode.tolist() == [1] * 14 and rows[12:].tolist() == [[0, 0]] * 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("query_lens", [[1], [6] * 16, [0, 2, 6, 0, 4], [0, 0, 0]])
+@pytest.mark.parametrize("padding", [0, 17])
+def test_decode_upstream_grid(kind, query_lens, padding):
+    rng = np.random.default_rng(len(query_lens) + padding)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(int).tolist()
+    seq = (np.array(query_lens) + rng.integers(0, 5000, len(query_lens))).tolist()
+    table = rng.integers(0, 1 << 20, (len(query_lens), 9)).astype(I32)
+    run_indexer_decode(kind, qsl, seq, table, qsl[-1] + padding, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_clamps_negative_lengths_and_all_padding(kind):
+    context, req_ids, _, rows = run_indexer_decode(kind, [0, 3], [1], [[7]], 4, 1)
+    assert context.tolist() == [0, 0, 1, 0] and req_ids.tolist() == [0, 0, 0, 1]
+    context, req_ids, _, rows = run_indexer_decode(kind, [0, 0, 0, 0], [0, 0, 0],
+                                                   [[1], [2], [3]], 17, 4)
+    assert req_ids.tolist() == list(range(3, 20)) and (rows == 0).all()
+    run_indexer_decode(kind, [0, 0, 0, 0], [0, 0, 0], [[1], [2], [3]], 0, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_zeroes_the_whole_tail_of_a_longer_length_buffer(kind):
+    context = to_kind(np.full(64, POISON, I32), kind)
+    d4.build_indexer_decode_metadata(
+        to_kind(np.array([0, 2], I32), kind), to_kind(np.array([9], I32), kind),
+        to_kind(np.ones((1, 3), I32), kind), 5, 4,
+        out=(context, None, None, to_kind(np.full((5, 3), POISON, I32), kind)))
+    assert to_numpy(context).tolist() == [2, 2, 0, 0, 0] + [0] * 59
+    # Without tokens the whole buffer is zeroed too.
+    context = to_kind(np.full(8, POISON, I32), kind)
+    d4.build_indexer_decode_metadata(
+        to_kind(np.array([0], I32), kind), to_kind(np.zeros(0, I32), kind),
+        to_kind(np.zeros((0, 3), I32), kind), 0, 4, out=(context, None, None, None))
+    assert (to_numpy(context) == 0).all()
+
+
+# --- §8.4 chunk plan ---------------------------------------------------------------------------
+HOST_ARRAYS = [list, lambda x: np.array(x, I64)] + (
+    [lambda x: __import__("torch").tensor(x, dtype=__import__("torch").int32)] if HAS_TORCH else [])
+
+
+@pytest.mark.parametrize("host", HOST_ARRAYS, ids=["list", "numpy", "torch"][:len(HOST_ARRAYS)])
+def test_chunk_plan_golden_and_splits(host):
+    plan = d4.get_prefill_chunk_plan(host([80, 96, 112, 128, 144]), host([4] * 5), 4, 4, 64,
+                                     1024, 128)
+    assert plan == [(0, 5, 36, 103)] and all(type(x) is int for x in plan[0])
+    assert d4.get_prefill_chunk_plan(host([8, 8, 40, 200, 4]), host([2, 2, 2, 1, 1]), 4, 1, 4,
+                                     16, 8) == [(0, 2, 2, 7), (2, 3, 10, 15), (3, 4, 50, 54),
+                                                (4, 5, 1, 5)]
+    assert d4.get_prefill_chunk_plan(host([10, 10, 10]), host([5, 5, 5]), 0, 2, 4, 100, 6) == \
+        [(0, 2, 0, 8), (2, 3, 0, 8)]
+    assert d4.get_prefill_chunk_plan(host([]), host([]), 4, 4, 64, 1024, 128) == []
+
+
+def test_chunk_plan_random_against_the_reference():
+    rng = np.random.default_rng(21)
+    for _ in range(300):
+        count = int(rng.integers(0, 12))
+        queries = rng.integers(0, 600, count)
+        seq = (queries + rng.integers(0, 5000, count)).tolist()
+        args = (int(rng.choice([0, 1, 4, 128])), int(rng.integers(1, 5)),
+                int(rng.choice([1, 64, 128])), int(rng.integers(1, 9000)),
+                int(rng.integers(0, 2000)))
+        assert d4.get_prefill_chunk_plan(seq, queries.tolist(), *args) == \
+            upstream.prefill_chunk_plan(seq, queries.tolist(), *args)
+
+
+def test_chunk_plan_bad_input():
+    for seq, queries, error, match in [
+        ([10, 20], [1], ValueError, r"query_lens: expected one per request of seq_lens \(2\)"),
+        ([10, -2], [1, 1], ValueError, r"seq_lens\[1\]: expected an int >= 0, got -2"),
+        (np.array([10, 20]), np.array([1.0, 2.0]), TypeError, "query_lens: expected integers"),
+        (np.array([[10]]), np.array([1]), ValueError, "seq_lens: expected a 1-D sequence"),
+        (np.array([10, -1]), np.array([1, 1]), ValueError,
+         "seq_lens: expected lengths >= 0, got -1 at index 1"),
+        ("10", [1], TypeError, "seq_lens: expected a list or a host array"),
+    ]:
+        with pytest.raises(error, match=match):
+            d4.get_prefill_chunk_plan(seq, queries, 4, 4, 64, 1024, 128)
+    with pytest.raises(ValueError, match="chunk_size: expected an int >= 1, got 0"):
+        d4.get_prefill_chunk_plan([10], [1], 4, 0, 64, 1024, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_device_arrays_that_would_sync_are_refused(kind):
+    with pytest.raises(TypeError, match="seq_lens: expected a list or a host array"):
+        d4.get_prefill_chunk_plan(to_kind(np.array([10], I32), kind), [1], 4, 4, 64, 1024, 128)
+    with pytest.raises(ValueError, match="num_compressed: required for device arrays"):
+        d4.build_indexer_prefill_chunk_metadata(to_kind(np.array([0, 3], I32), kind),
+                                                to_kind(np.array([10], I32), kind), 4, 0, 3)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+def test_indexer_bad_input_names_the_argument_and_writes_nothing():
+    qsl, seq = np.array([0, 3, 5], I32), np.array([10, 7], I32)
+    out = [np.full(n, POISON, I32) for n in (3, 3, 5, 5)]
+    for kwargs, error, match in [
+        (dict(query_slice_start=3, query_slice_stop=2), ValueError,
+         "query_slice_stop: expected an int >= 3, got 2"),
+        (dict(compress_ratio=0), ValueError, "compress_ratio: expected an int >= 1"),
+        (dict(num_compressed=4), ValueError, r"out\[1\]: expected at least 4 elements"),
+        (dict(seq_lens=np.array([10], I32)), ValueError, "seq_lens: expected at least 2"),
+        (dict(validate="full", num_compressed=2), ValueError,
+         r"num_compressed: expected sum\(seq_lens // 4\) = 3, got 2"),
+        (dict(validate="full", query_slice_start=1, query_slice_stop=6), ValueError,
+         "query_slice_stop: expected at most the chunk's 5 tokens, got 6"),
+    ]:
+        args = dict(query_start_loc=qsl, seq_lens=seq, compress_ratio=4, query_slice_start=0,
+                    query_slice_stop=5, out=out)
+        args.update(kwargs)
+        with pytest.raises(error, match=match):
+            d4.build_indexer_prefill_chunk_metadata(**args)
+    assert all((buffer == POISON).all() for buffer in out)
+    rows = np.full((4, 2), POISON, I32)
+    for args, error, match in [
+        ((qsl, seq, np.zeros((1, 2), I32), 4, 4), ValueError,
+         "block_table: expected at least 2 rows"),
+        ((qsl, seq, np.zeros((2, 2), I32), -1, 4), ValueError, "num_tokens: expected an int >= 0"),
+        ((qsl, seq, np.zeros((2, 3), I32), 4, 4), ValueError,
+         r"out\[3\]: expected at least 3 columns"),
+        ((qsl, seq, np.zeros((2, 2), I32), 4, 4, "full"), ValueError,
+         r"num_tokens: expected at least query_start_loc\[-1\] \(5\), got 4"),
+    ]:
+        with pytest.raises(error, match=match):
+            d4.build_indexer_decode_metadata(*args[:5], out=(None, None, None, rows),
+                                             validate=args[5] if len(args) > 5 else "default")
+    assert (rows == POISON).all()

@@ -1,0 +1,149 @@
+"""Fuzzing the per-layer and indexer ops: hundreds of random cases per function
+against the reference on the CPU path (CI), and the GPU kinds against the CPU
+path (on the H200), on the random cases and on full-size DeepSeek-V4 shapes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+from conftest import GPU_KINDS, to_numpy
+from layer_runs import (run_combine, run_gather_lens, run_global_topk, run_indexer_decode,
+                        run_indexer_prefill, run_short_context, run_swa)
+from test_c4a import random_global_topk_case
+from test_combine import random_combine_case
+from test_indexer import random_indexer_prefill_case
+from test_swa import random_swa_case
+
+CASES_PER_FUNCTION = 300
+I32 = np.int32
+
+
+def random_short_context_case(rng):
+    positions = rng.integers(-10, 5000, int(rng.integers(0, 10))).tolist()
+    return (positions, int(rng.integers(0, 700)), int(rng.choice([1, 4, 128])),
+            int(rng.integers(0, len(positions) + 1)), rng.choice([np.int32, np.int64]))
+
+
+def random_gather_case(rng):
+    count = int(rng.integers(0, 8))
+    query_lens = rng.integers(0, 300, count)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(int).tolist()
+    seq = (query_lens + rng.integers(-5, 500, count)).clip(0).tolist()
+    decodes = int(rng.integers(0, count + 1))
+    return (qsl, seq, decodes, int(rng.integers(0, count - decodes + 1)),
+            int(rng.choice([1, 64, 128])))
+
+
+def random_indexer_decode_case(rng):
+    query_lens = rng.integers(0, 9, int(rng.integers(0, 8)))
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(int).tolist()
+    seq = (query_lens + rng.integers(-3, 9000, len(query_lens))).clip(0).tolist()
+    table = rng.integers(-1, 1 << 20, (len(query_lens), int(rng.integers(0, 40)))).astype(I32)
+    return qsl, seq, table, qsl[-1] + int(rng.integers(0, 20)), int(rng.choice([1, 4, 128]))
+
+
+#: (runner, case generator) per function.
+FUNCTIONS = {
+    "swa": (run_swa, random_swa_case),
+    "global_topk": (run_global_topk, random_global_topk_case),
+    "short_context": (lambda kind, *case, reference=True: run_short_context(
+        kind, *case[:4], dtype=case[4], reference=reference), random_short_context_case),
+    "combine": (run_combine, random_combine_case),
+    "gather_lens": (run_gather_lens, random_gather_case),
+    "indexer_prefill": (run_indexer_prefill, random_indexer_prefill_case),
+    "indexer_decode": (run_indexer_decode, random_indexer_decode_case),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_fuzz_cpu_against_reference(function):
+    run, make_case = FUNCTIONS[function]
+    rng = np.random.default_rng(sorted(FUNCTIONS).index(function))
+    for _ in range(CASES_PER_FUNCTION):
+        run("numpy", *make_case(rng))
+
+
+def assert_same_results(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(to_numpy(g), to_numpy(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_fuzz_gpu_against_cpu(kind, function):
+    """GPU against the CPU path (itself fuzzed against the reference above); one
+    case in twenty also goes through the reference directly."""
+    run, make_case = FUNCTIONS[function]
+    rng = np.random.default_rng(100 + sorted(FUNCTIONS).index(function))
+    for i in range(CASES_PER_FUNCTION):
+        case = make_case(rng)
+        got = run(kind, *case, reference=i % 20 == 0)
+        got = got if isinstance(got, (tuple, list)) else [got]
+        want = run("numpy", *case, reference=False)
+        assert_same_results(got, want if isinstance(want, (tuple, list)) else [want])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_full_size_shapes_gpu_against_cpu(kind):
+    """DeepSeek-V4 shapes: 8192-token SWA rows, 1024 decode rows of 512 (and a
+    1024-wide Pro row), the 8192 x 8320 C128A combine, 4096-column block rows."""
+    rng = np.random.default_rng(77)
+    tokens = 8192
+    query_lens = [4] * 256 + [tokens - 1024]
+    seq = (np.array(query_lens) + rng.integers(0, 1 << 20, len(query_lens))).tolist()
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    token_to_req = np.repeat(np.arange(len(query_lens)), query_lens).tolist()
+    valid = (rng.random(tokens) < 0.99).tolist()
+    swa_table = rng.integers(0, 1 << 22, (len(query_lens), (1 << 20) // 64 + 2)).astype(I32)
+    cases = [
+        (run_swa, (128, qsl, seq, token_to_req, valid, swa_table, 64, 0, 1024)),
+        (run_swa, (128, qsl, seq, token_to_req, valid, swa_table, 64, 1024, tokens - 1024)),
+    ]
+    for width in (512, 1024):
+        topk = rng.integers(-1, (1 << 20) // 4, (1024, width)).astype(I32)
+        table = rng.integers(0, 1 << 22, (256, (1 << 20) // 256)).astype(I32)
+        cases.append((run_global_topk, (topk, token_to_req[:1024], table, 64, valid[:1024],
+                                        bool(width == 1024))))
+    positions = rng.integers(0, 1 << 20, tokens)
+    cases.append((run_short_context, (positions.tolist(), 512, 4)))
+    prefill_seq = seq[-1]
+    local = d4.fill_short_context_topk_indices(np.arange(prefill_seq - 7168, prefill_seq), 8192,
+                                               128)                  # the C128A prefill rows
+    cases.append((run_combine, (local, [1024, tokens], [prefill_seq],
+                                [7168 + 127], 128, 128, 8192, 8192 + 7168 + 127, 8192)))
+    cases.append((run_indexer_decode, (qsl[:257], seq[:256], swa_table[:256, :4096], 1100, 4)))
+    cases.append((run_indexer_prefill, (qsl[256:], seq[256:], 4, 0, tokens - 1024)))
+    for run, case in cases:
+        got, want = run(kind, *case, reference=False), run("numpy", *case, reference=False)
+        assert_same_results(got if isinstance(got, (tuple, list)) else [got],
+                            want if isinstance(want, (tuple, list)) else [want])
+
+
+def layer_dispatchers():
+    """Every numba dispatcher of cpu_layers (both twins of parallel kernels)."""
+    from numba.core.registry import CPUDispatcher
+
+    from dsv4_cupy import cpu, cpu_layers
+    found = []
+    for value in vars(cpu_layers).values():
+        if isinstance(value, cpu.ParallelKernel):
+            found += value.variants()
+        elif isinstance(value, CPUDispatcher) and value.py_func.__module__ == cpu_layers.__name__:
+            found.append(value)
+    return found
+
+
+def test_nothing_compiles_after_warmup():
+    from conftest import HOST_KINDS
+    d4.warmup(gpu=False, cpu=True)
+    before = [len(f.signatures) for f in layer_dispatchers()]
+    assert len(before) == 12 and all(before)
+    rng = np.random.default_rng(5)
+    for kind in HOST_KINDS:
+        for run, make_case in FUNCTIONS.values():
+            run(kind, *make_case(rng), reference=False)
+    assert [len(f.signatures) for f in layer_dispatchers()] == before
