@@ -15,11 +15,15 @@ import numpy as np
 
 from . import params
 from .device import require_gpu
+from .scalars import check_int
 
 NUMPY, TORCH_CPU, CUPY, TORCH_CUDA = "numpy", "torch_cpu", "cupy", "torch_cuda"
 GPU_KINDS = (CUPY, TORCH_CUDA)
 INT32 = np.dtype(np.int32)
 INT64 = np.dtype(np.int64)
+BOOL = np.dtype(np.bool_)
+#: Widest row an op writes (columns are 32-bit inside the kernels).
+MAX_ROW_WIDTH = 1 << 24
 _KIND_TEXT = {NUMPY: "a numpy array", TORCH_CPU: "a torch CPU tensor",
               CUPY: "a cupy array", TORCH_CUDA: "a torch CUDA tensor"}
 
@@ -492,3 +496,45 @@ def output(name: str, op: Operand | None, kind: str, device: int, dtype: np.dtyp
     if op.kind == NUMPY and not op.array.flags.writeable:
         raise ValueError(f"{name}: expected a writable array, got a read-only one")
     return op
+
+
+def check_row_width(name: str, value, minimum: int = 0) -> int:
+    """A row width (``window_size``, ``top_k``, a table's columns) as an int in
+    ``[minimum, MAX_ROW_WIDTH]``."""
+    return check_int(name, value, minimum=minimum, maximum=MAX_ROW_WIDTH)
+
+
+def out_buffers(out, names: tuple) -> tuple:
+    """``out=`` as one buffer (or None) per name: None, or a tuple or list of as
+    many arrays (an entry may be None: that output is allocated)."""
+    if out is None:
+        return (None,) * len(names)
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) \
+            else type(out).__name__
+        raise TypeError(f"out: expected a tuple of {len(names)} arrays ({', '.join(names)}), "
+                        f"got {got}")
+    return tuple(out)
+
+
+def head_axis_dropped(name: str, buffer):
+    """A ``[rows, 1, cols]`` index buffer (upstream's head axis) as the 2-D view
+    ``[rows, cols]`` of the same memory; a 2-D buffer or None passes through."""
+    if buffer is None or kind_of(buffer) is None or buffer.ndim != 3:
+        return buffer
+    if buffer.shape[1] != 1:
+        raise ValueError(f"{name}: expected shape [rows, 1, cols] or [rows, cols], got "
+                         f"{tuple(buffer.shape)}")
+    return buffer[:, 0]
+
+
+def with_head_axis(rows_2d, num_rows: int, cols: int):
+    """``[num_rows, 1, cols]``: a view of the first rows and columns of a 2-D array."""
+    return rows_2d[:num_rows, None, :cols]
+
+
+def is_same_rows(output: Operand, source: Operand) -> bool:
+    """Whether row t of ``output`` is row t of ``source`` (an in-place call)."""
+    if output.ptr != source.ptr:
+        return False
+    return source.shape[0] <= 1 or row_stride(output) == row_stride(source)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu_layers, families, geometry, layer_arrays, layer_validation, params
-from . import validation
-from .arrays import INT32
+from . import arrays, cpu, families, geometry, validation
+from .arrays import BOOL, INT32
 from .families import POSITIONS_AXIS
-from .layer_arrays import BOOL
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -54,7 +52,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     ``lens`` counts the valid entries. A token that is not valid, or whose
     request is outside the table, gets an all -1 row and length 0.
     """
-    indices_out, lens_out = layer_arrays.out_buffers(out, ("indices", "lens"))
+    indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "token_to_req_indices": token_to_req_indices,
         "block_table": block_table, "is_valid_token": is_valid_token, "out[0]": indices_out,
@@ -63,7 +61,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
                                         ops["block_table"], ops["is_valid_token"])
     arrays.check(topk, (INT32,), 2)
     num_tokens, width = topk.shape
-    layer_arrays.check_columns("topk_indices.shape[1]", width)
+    arrays.check_row_width("topk_indices.shape[1]", width)
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
     if not isinstance(compact, (bool, np.bool_)):
         raise TypeError(f"compact: expected a bool, got {type(compact).__name__}")
@@ -72,18 +70,18 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     arrays.check(valid, (BOOL,), 1, min_len=num_tokens)
     indices = arrays.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
     lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
-    in_place = ops["out[0]"] is not None and layer_arrays.is_same_rows(indices, topk)
+    in_place = ops["out[0]"] is not None and arrays.is_same_rows(indices, topk)
     others = [token_to_req, table, valid]
     arrays.check_no_alias([indices], others + ([] if in_place else [topk]))
     arrays.check_no_alias([lens], others + [topk, indices])
     if validation.check_mode(validate):
-        layer_validation.request_ids(token_to_req_indices, is_valid_token, kind, 0, num_tokens,
-                                     table.shape[0])
+        validation.request_ids(token_to_req_indices, kind, num_tokens, table.shape[0],
+                               is_valid_token=is_valid_token)
 
     if kind in arrays.GPU_KINDS:
         if num_tokens:
             families.GLOBAL_TOPK.launch(
-                device, min(num_tokens, geometry.MAX_GRID_STRIDE_BLOCKS),
+                device, geometry.warp_row_blocks(num_tokens),
                 arrays.launch_stream(kind, device), table=arrays.block_table_group(table),
                 topk_indices=topk.ptr, token_to_req=token_to_req.ptr, is_valid_token=valid.ptr,
                 out=indices.ptr, lens=lens.ptr, topk_stride=arrays.row_stride(topk),
@@ -94,7 +92,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
         flat_topk, topk_stride = view_2d(topk_indices, kind)
         flat_table, table_stride = view_2d(block_table, kind)
         flat_out, out_stride = view_2d(indices.array, kind)
-        cpu_layers.global_topk_indices_and_lens(
+        cpu.global_topk_indices_and_lens(
             flat_topk, topk_stride, np.int64(num_tokens), np.int64(width),
             view(token_to_req_indices, kind), view(is_valid_token, kind), flat_table,
             table_stride, np.int64(table.shape[0]), np.int64(table.shape[1]),
@@ -133,7 +131,7 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     kind, device, ops = arrays.probe_all({"positions": positions, "out": out})
     pos = ops["positions"]
     positions_dtype = arrays.check(pos, POSITIONS_AXIS[1], 1)
-    top_k = layer_arrays.check_columns("top_k", top_k)
+    top_k = arrays.check_row_width("top_k", top_k)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                maximum=MAX_BLOCK_SIZE)
     num_tokens = check_int("num_tokens", pos.shape[0] if num_tokens is None else num_tokens,
@@ -141,20 +139,19 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     rows = arrays.output("out", ops["out"], kind, device, INT32, num_tokens, top_k)
     arrays.check_no_alias([rows], [pos])
     if validation.check_mode(validate):
-        layer_validation.short_context_inputs(positions, kind, num_tokens, top_k, compress_ratio)
+        validation.short_context_inputs(positions, kind, num_tokens, top_k, compress_ratio)
 
     if kind in arrays.GPU_KINDS:
         if num_tokens:
-            cols_per_block, chunks, row_blocks = geometry.row_chunks(num_tokens, top_k, device)
+            tiles, blocks = geometry.row_tiles(num_tokens, top_k, device)
             families.SHORT_CONTEXT.launch(
-                device, row_blocks, arrays.launch_stream(kind, device), (positions_dtype,),
+                device, blocks, arrays.launch_stream(kind, device), (positions_dtype,),
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),
                 top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens,
-                chunks=params.ROW_CHUNKS.values(cols_per_block=cols_per_block, chunks=chunks,
-                                                row_blocks=row_blocks))
+                tiles=tiles)
     else:
         flat_rows, rows_stride = arrays.kernel_view_2d(rows.array, kind)
-        cpu_layers.short_context_topk_indices(
+        cpu.short_context_topk_indices(
             arrays.kernel_view(positions, kind), np.int64(num_tokens), np.int64(top_k),
             np.int64(compress_ratio), flat_rows, rows_stride)
     return rows.array[:num_tokens, :top_k]

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu_layers, families, geometry, layer_arrays, layer_validation, params
-from . import validation
+from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, round_up
@@ -67,14 +66,14 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1, 0, g0)``, then -1;
     ``lens = k_len + s_len``. Values are int32 (wrapping).
     """
-    indices_out, lens_out = layer_arrays.out_buffers(out, ("indices", "lens"))
+    indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
         "gather_lens": gather_lens, "out[0]": indices_out, "out[1]": lens_out})
     topk_op, qsl, seq, gather = (ops["topk_indices"], ops["query_start_loc"], ops["seq_lens"],
                                  ops["gather_lens"])
-    window_size = layer_arrays.check_columns("window_size", window_size, minimum=1)
-    topk = layer_arrays.check_columns("topk", topk)
+    window_size = arrays.check_row_width("window_size", window_size, minimum=1)
+    topk = arrays.check_row_width("topk", topk)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1 if topk else 0,
                                maximum=MAX_BLOCK_SIZE)
     M = check_int("M", M, minimum=0, maximum=np.iinfo(np.int32).max)   # values are int32
@@ -90,27 +89,26 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
     arrays.check_no_alias([indices, lens], [topk_op, qsl, seq, gather])
     if validation.check_mode(validate):
-        layer_validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
-                                        window_size, M, N)
+        validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
+                                  window_size, M, N)
 
     if kind in arrays.GPU_KINDS:
         if num_tokens:
-            cols_per_block, chunks, row_blocks = geometry.row_chunks(num_tokens, width, device)
+            tiles, blocks = geometry.row_tiles(num_tokens, width, device)
             families.COMBINE.launch(
-                device, row_blocks, arrays.launch_stream(kind, device),
+                device, blocks, arrays.launch_stream(kind, device),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 gather_lens=gather.ptr, topk_indices=topk_op.ptr, out=indices.ptr, lens=lens.ptr,
                 topk_stride=arrays.row_stride(topk_op),
                 out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
                 window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
-                swa_offset=N, chunks=params.ROW_CHUNKS.values(
-                    cols_per_block=cols_per_block, chunks=chunks, row_blocks=row_blocks))
+                swa_offset=N, tiles=tiles)
     else:
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
         flat_topk, topk_stride = view_2d(topk_indices, kind)
         flat_out, out_stride = view_2d(indices.array, kind)
-        cpu_layers.combine_topk_swa_indices(
+        cpu.combine_topk_swa_indices(
             flat_topk, topk_stride, view(query_start_loc, kind), np.int64(num_reqs),
             view(seq_lens, kind), view(gather_lens, kind), np.int64(window_size),
             np.int64(compress_ratio), np.int64(topk), np.int64(M), np.int64(N),

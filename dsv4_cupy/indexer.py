@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu_layers, families, geometry, layer_arrays, layer_validation, params
-from . import validation
+from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
@@ -56,7 +55,7 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
     Each block of the launch sums the lengths before its request, so the work
     grows with ``R**2``: meant for a chunk's requests (hundreds), not more.
     """
-    cu_out, token_to_seq_out, ks_out, ke_out = layer_arrays.out_buffers(
+    cu_out, token_to_seq_out, ks_out, ke_out = arrays.out_buffers(
         out, ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"))
     kind, device, ops = arrays.probe_all({
         "query_start_loc": query_start_loc, "seq_lens": seq_lens, "out[0]": cu_out,
@@ -84,8 +83,8 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
     ke = arrays.output("out[3]", ops["out[3]"], kind, device, INT32, num_queries)
     arrays.check_no_alias([cu, token_to_seq, ks, ke], [qsl, seq])
     if validation.check_mode(validate):
-        layer_validation.indexer_prefill_inputs(query_start_loc, seq_lens, kind, compress_ratio,
-                                                query_slice_stop, num_compressed)
+        validation.indexer_prefill_inputs(query_start_loc, seq_lens, kind, compress_ratio,
+                                          query_slice_stop, num_compressed)
 
     if kind in arrays.GPU_KINDS:
         families.INDEXER_PREFILL.launch(
@@ -98,7 +97,7 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
             query_slice_start=query_slice_start, query_slice_stop=query_slice_stop)
     else:
         view = arrays.kernel_view
-        cpu_layers.indexer_prefill_chunk_metadata(
+        cpu.indexer_prefill_chunk_metadata(
             view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind),
             np.int64(compress_ratio), np.int64(query_slice_start), np.int64(query_slice_stop),
             view(cu.array, kind), view(token_to_seq.array, kind)[:num_compressed],
@@ -143,7 +142,7 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
     vLLM #51593), ``b``, 1, ``block_table[b]``. A padding token: 0, the distinct
     id ``R + (t - query_start_loc[R])``, 1, zeros.
     """
-    context_out, req_out, decode_out, rows_out = layer_arrays.out_buffers(
+    context_out, req_out, decode_out, rows_out = arrays.out_buffers(
         out, ("context_lens", "req_ids", "decode_lens", "block_rows"))
     kind, device, ops = arrays.probe_all({
         "query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_table": block_table,
@@ -156,7 +155,7 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
     num_reqs = qsl.shape[0] - 1
     arrays.check(seq, (INT32,), 1, min_len=num_reqs)
     arrays.check(table, (INT32,), 2, min_len=num_reqs)
-    cols = layer_arrays.check_columns("block_table.shape[1]", table.shape[1])
+    cols = arrays.check_row_width("block_table.shape[1]", table.shape[1])
     context = arrays.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens)
     req_ids = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
     decode = arrays.output("out[2]", ops["out[2]"], kind, device, INT32, num_tokens)
@@ -170,7 +169,7 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
         if context_len:
             families.INDEXER_DECODE.launch(
                 device, geometry.elementwise_blocks(
-                    max(num_tokens * layer_arrays.WARP_LANES, context_len - num_tokens)),
+                    max(num_tokens * geometry.WARP_LANES, context_len - num_tokens)),
                 arrays.launch_stream(kind, device),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
@@ -182,7 +181,7 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
         flat_table, table_stride = view_2d(block_table, kind)
         flat_rows, rows_stride = view_2d(rows.array, kind)
-        cpu_layers.indexer_decode_metadata(
+        cpu.indexer_decode_metadata(
             view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind), flat_table,
             table_stride, np.int64(cols), np.int64(num_tokens), np.int64(compress_ratio),
             view(context.array, kind), view(req_ids.array, kind), view(decode.array, kind),

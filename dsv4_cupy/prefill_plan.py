@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu_layers, families, geometry, layer_arrays, params, validation
+from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
 from .scalars import check_int
 from .spec import cdiv
@@ -43,7 +43,7 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
     qsl, seq = ops["query_start_loc"], ops["seq_lens"]
     num_decodes = check_int("num_decodes", num_decodes, minimum=0)
     num_prefills = check_int("num_prefills", num_prefills, minimum=0)
-    window_size = layer_arrays.check_columns("window_size", window_size, minimum=1)
+    window_size = arrays.check_row_width("window_size", window_size, minimum=1)
     num_reqs = num_decodes + num_prefills
     arrays.check(qsl, (INT32,), 1, min_len=num_reqs + 1)
     arrays.check(seq, (INT32,), 1, min_len=num_reqs)
@@ -62,7 +62,7 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
                 out=lens.ptr, num_decodes=num_decodes, num_prefills=num_prefills,
                 window_size=window_size)
     else:
-        cpu_layers.prefill_gather_lens(
+        cpu.prefill_gather_lens(
             arrays.kernel_view(query_start_loc, kind), arrays.kernel_view(seq_lens, kind),
             np.int64(num_decodes), np.int64(num_prefills), np.int64(window_size),
             arrays.kernel_view(lens.array, kind))

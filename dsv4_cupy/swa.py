@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu_layers, families, geometry, layer_arrays, layer_validation, params
-from . import validation
-from .arrays import INT32
-from .layer_arrays import BOOL
+from . import arrays, cpu, families, geometry, params, validation
+from .arrays import BOOL, INT32
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -60,16 +58,16 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     leaves such rows stale); window positions past the table row's blocks are
     -1 and not counted.
     """
-    indices_out, lens_out = layer_arrays.out_buffers(out, ("indices", "lens"))
+    indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "query_start_loc": query_start_loc, "seq_lens": seq_lens,
         "token_to_req_indices": token_to_req_indices, "is_valid_token": is_valid_token,
         "block_table": block_table,
-        "out[0]": layer_arrays.head_axis_dropped("out[0]", indices_out), "out[1]": lens_out})
+        "out[0]": arrays.head_axis_dropped("out[0]", indices_out), "out[1]": lens_out})
     qsl, seq, token_to_req, valid, table = (
         ops["query_start_loc"], ops["seq_lens"], ops["token_to_req_indices"],
         ops["is_valid_token"], ops["block_table"])
-    window_size = layer_arrays.check_columns("window_size", window_size, minimum=1)
+    window_size = arrays.check_row_width("window_size", window_size, minimum=1)
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
     arrays.check(qsl, (INT32,), 1, min_len=1)
     arrays.check(seq, (INT32,), 1)
@@ -84,31 +82,31 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_rows)
     arrays.check_no_alias([indices, lens], [qsl, seq, token_to_req, valid, table])
     if validation.check_mode(validate):
-        layer_validation.swa_inputs(query_start_loc, seq_lens, token_to_req_indices,
-                                    is_valid_token, block_table, kind, token_offset, num_rows,
-                                    block_size)
+        validation.swa_inputs(query_start_loc, seq_lens, token_to_req_indices, is_valid_token,
+                              block_table, kind, token_offset, num_rows, block_size)
     num_reqs = min(qsl.shape[0] - 1, seq.shape[0])
 
     if kind in arrays.GPU_KINDS:
         if num_rows:
+            tiles, blocks = geometry.row_tiles(num_rows, window_size, device)
             families.SWA.launch(
-                device, geometry.elementwise_blocks(num_rows * layer_arrays.WARP_LANES),
-                arrays.launch_stream(kind, device),
+                device, blocks, arrays.launch_stream(kind, device),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 table=arrays.block_table_group(table), token_to_req=token_to_req.ptr,
                 is_valid_token=valid.ptr, indices=indices.ptr, lens=lens.ptr,
                 indices_stride=arrays.row_stride(indices), window_size=window_size,
-                block_size=block_size, token_offset=token_offset, num_rows=num_rows)
+                block_size=block_size, token_offset=token_offset, num_rows=num_rows,
+                tiles=tiles)
     else:
         view = arrays.kernel_view
         flat_table, table_stride = arrays.kernel_view_2d(block_table, kind)
         flat_indices, indices_stride = arrays.kernel_view_2d(indices.array, kind)
-        cpu_layers.swa_indices_and_lens(
+        cpu.swa_indices_and_lens(
             view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind),
             view(token_to_req_indices, kind), view(is_valid_token, kind), flat_table,
             table_stride, np.int64(table.shape[0]), np.int64(table.shape[1]),
             np.int64(block_size), np.int64(window_size), np.int64(token_offset),
             np.int64(num_rows), flat_indices, indices_stride, view(lens.array, kind))
-    return (layer_arrays.with_head_axis(indices.array, num_rows, window_size),
+    return (arrays.with_head_axis(indices.array, num_rows, window_size),
             lens.array[:num_rows])

@@ -62,6 +62,15 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
                              f"< query_len {int(steps[b])} for request {b}")
 
 
+def _host_int64(x, kind: str) -> np.ndarray:
+    return arrays.host_copy(x, kind).astype(np.int64)
+
+
+def _first(mask: np.ndarray) -> int:
+    """Index of the first True."""
+    return int(np.flatnonzero(mask)[0])
+
+
 def token_requests(qsl: np.ndarray, count: int) -> np.ndarray:
     """The request of each of the first ``count`` tokens (padding: 0), from a host
     ``query_start_loc``; the token-map rule, for checking what the kernels will read."""
@@ -72,12 +81,19 @@ def token_requests(qsl: np.ndarray, count: int) -> np.ndarray:
     return np.where(mapped, np.minimum(ids, max(num_reqs - 1, 0)), 0).astype(np.int32)
 
 
-def request_ids(token_to_req, kind: str, count: int, num_rows: int) -> np.ndarray:
-    ids = arrays.host_copy(token_to_req, kind)[:count]
-    if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
-        bad = int(np.flatnonzero((ids < 0) | (ids >= num_rows))[0])
+def request_ids(token_to_req, kind: str, count: int, num_rows: int, *, first: int = 0,
+                is_valid_token=None) -> np.ndarray:
+    """The request ids of tokens ``[first, first + count)``, checked to be
+    block-table rows (only the valid tokens' when ``is_valid_token`` is given)."""
+    ids = arrays.host_copy(token_to_req, kind)[first:first + count]
+    bad = (ids < 0) | (ids >= num_rows)
+    if is_valid_token is not None:
+        bad &= arrays.host_copy(is_valid_token, kind)[first:first + count].astype(bool)
+    if bad.any():
+        t = _first(bad)
+        which = "" if is_valid_token is None else " for valid tokens"
         raise ValueError(f"token_to_req_indices: expected request ids in [0, {num_rows}) "
-                         f"(block_table rows), got {int(ids[bad])} at token {bad}")
+                         f"(block_table rows){which}, got {int(ids[t])} at token {first + t}")
     return ids
 
 
@@ -148,3 +164,98 @@ def c128a_inputs(positions, token_to_req, block_table, kind: str, num_decode_tok
     ids = request_ids(token_to_req, ids_kind or kind, num_decode_tokens, block_table.shape[0])
     visible = visible_rows(positions, kind, num_decode_tokens, ratio, width)
     block_columns(block_table, kind, ids, visible, block_size, num_cache_blocks, "decode token")
+
+
+# --- the per-layer and indexer ops -----------------------------------------------------------
+def _rebased_query_layout(qsl, seq_lens, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's ``query_start_loc`` rebased to 0, checked with its seq_lens."""
+    rebased = _host_int64(qsl, kind)
+    rebased -= rebased[0]
+    seq = _host_int64(seq_lens, kind)
+    query_layout(rebased, seq, arrays.NUMPY, rebased.shape[0] - 1)
+    return rebased, seq[:rebased.shape[0] - 1]
+
+
+def swa_inputs(qsl, seq_lens, token_to_req, is_valid_token, block_table, kind: str,
+               token_offset: int, num_rows: int, block_size: int) -> None:
+    """Full checks for ``compute_swa_indices_and_lens``: query layout; valid
+    tokens' requests inside the table, positions >= 0, and the block of each
+    token's own position inside the table row."""
+    requests = block_table.shape[0]
+    query_layout(qsl, seq_lens, kind, min(requests, qsl.shape[0] - 1))
+    request_ids(token_to_req, kind, num_rows, requests, first=token_offset,
+                is_valid_token=is_valid_token)
+    valid = arrays.host_copy(is_valid_token, kind)[token_offset:token_offset + num_rows]
+    valid = valid.astype(bool)
+    if not valid.any():
+        return
+    q, seq = _host_int64(qsl, kind), _host_int64(seq_lens, kind)
+    tokens = np.arange(token_offset, token_offset + num_rows)[valid]
+    ids = _host_int64(token_to_req, kind)[tokens]
+    positions = seq[ids] - (q[ids + 1] - q[ids]) + (tokens - q[ids])
+    if (positions < 0).any():
+        i = _first(positions < 0)
+        raise ValueError(f"seq_lens: expected token {int(tokens[i])} at a position >= 0, got "
+                         f"{int(positions[i])}")
+    columns = positions // block_size
+    if (columns >= block_table.shape[1]).any():
+        i = _first(columns >= block_table.shape[1])
+        raise ValueError(f"block_table: token {int(tokens[i])} at position {int(positions[i])} "
+                         f"needs block column {int(columns[i])}, the table rows have "
+                         f"{block_table.shape[1]}")
+
+
+def combine_inputs(qsl, seq_lens, gather_lens, kind: str, num_tokens: int, window_size: int,
+                   rows_per_request: int, swa_offset: int) -> None:
+    """Full checks for ``combine_topk_swa_indices``: query layout of the chunk
+    (rebased), every chunk token has a row, the gathered SWA part fits the
+    workspace row and every value fits int32."""
+    rebased, seq = _rebased_query_layout(qsl, seq_lens, kind)
+    if rebased[-1] > num_tokens:
+        raise ValueError(f"topk_indices: expected a row for each of the chunk's "
+                         f"{int(rebased[-1])} tokens, got {num_tokens} rows")
+    requests = rebased.shape[0] - 1
+    gather = _host_int64(gather_lens, kind)[:requests]
+    query_lens = np.diff(rebased)
+    expected = query_lens + np.clip(seq - query_lens, 0, window_size - 1)
+    short = gather < expected
+    if short.any():
+        b = _first(short)
+        raise ValueError(f"gather_lens: expected at least q + min(L - q, W - 1) = "
+                         f"{int(expected[b])} for request {b}, got {int(gather[b])}")
+    wide = swa_offset + gather > rows_per_request
+    if wide.any():
+        b = _first(wide)
+        raise ValueError(f"M: expected at least N + gather_lens = {swa_offset + int(gather[b])} "
+                         f"(request {b}'s workspace rows), got {rows_per_request}")
+    if requests and rows_per_request * requests > np.iinfo(np.int32).max:
+        raise ValueError(f"M: expected M * requests ({rows_per_request} * {requests}) to fit "
+                         "int32 indices")
+
+
+def indexer_prefill_inputs(qsl, seq_lens, kind: str, compress_ratio: int, slice_stop: int,
+                           num_compressed: int) -> None:
+    """Full checks for ``build_indexer_prefill_chunk_metadata``: query layout of
+    the chunk (rebased), the slice inside its tokens and ``num_compressed``
+    equal to the sum of its compressed lengths."""
+    rebased, seq = _rebased_query_layout(qsl, seq_lens, kind)
+    if slice_stop > rebased[-1]:
+        raise ValueError(f"query_slice_stop: expected at most the chunk's {int(rebased[-1])} "
+                         f"tokens, got {slice_stop}")
+    total = int(np.maximum(seq // compress_ratio, 0).sum())
+    if num_compressed != total:
+        raise ValueError(f"num_compressed: expected sum(seq_lens // {compress_ratio}) = {total}, "
+                         f"got {num_compressed}")
+
+
+def short_context_inputs(positions, kind: str, num_tokens: int, top_k: int,
+                         compress_ratio: int) -> None:
+    """Full checks for ``fill_short_context_topk_indices``: its precondition, no
+    token sees more than top_k compressed rows (else candidates are dropped
+    unscored, vLLM #52492)."""
+    positions = _host_int64(positions, kind)[:num_tokens]
+    visible = (positions + 1) // compress_ratio
+    if (visible > top_k).any():
+        t = _first(visible > top_k)
+        raise ValueError(f"positions: the short-context fill needs (p + 1) // {compress_ratio} "
+                         f"<= top_k = {top_k}, got position {int(positions[t])} at token {t}")

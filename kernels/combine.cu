@@ -3,46 +3,50 @@
 // x + M * b (-1 unless 0 <= x < N, still counted), then the s_len window rows
 // M * b + N + (swa_start - g0) + i with g0 = L - gather_len and swa_start =
 // max(p - W + 1, 0, g0), then -1 to C columns. Tokens at or past the chunk's
-// total get an all -1 row and length 0. Block b writes one piece of a row with
-// 16-byte streaming stores: at 8192 tokens and C = 8320 this is a 272 MB write.
+// total get an all -1 row and length 0. Row tiles: C4A rows (640 columns) and
+// SWA-only rows (128) are narrower than a block's work, C128A rows (8320) span
+// a few blocks; at 8192 tokens and C = 8320 this is a 272 MB write.
 #include "common.cuh"
 
 namespace dsv4 {
+struct CombineRow {
+    const int* __restrict__ topk_row;
+    i64 request_base, swa_first, swa_offset;
+    int topk_len, swa_len;
+
+    __device__ __forceinline__ int value(int e) const {
+        if (e < topk_len) {
+            const int x = topk_row[e];
+            return x >= 0 && x < swa_offset ? (int)(unsigned)(x + request_base)
+                                            : DSV4_PAD_SLOT_ID;
+        }
+        if (e < topk_len + swa_len) return (int)(unsigned)(swa_first + e - topk_len);
+        return DSV4_PAD_SLOT_ID;
+    }
+    __device__ __forceinline__ int length() const { return topk_len + swa_len; }
+};
+
 __device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p) {
-    const RowPiece piece(p.chunks, p.width, blockIdx.x);
-    if (piece.t >= p.num_tokens) return;
-    const i64 t = piece.t;
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 base = qsl[0];
     const i64 total = p.query.num_reqs > 0 ? (i64)qsl[p.query.num_reqs] - base : 0;
-    int topk_len = 0, swa_len = 0;
-    i64 request_base = 0, swa_first = 0;
-    if (t < total) {
-        const int b = request_of(qsl, p.query.num_reqs, base + t);
-        const i64 qs = qsl[b], seq_len = p.query.seq_lens[b];
-        const i64 position = seq_len - ((i64)qsl[b + 1] - qs) + (base + t - qs);
-        topk_len = p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
-        const i64 gather_start = seq_len - p.gather_lens[b];
-        i64 swa_start = position - p.window_size + 1;
-        swa_start = swa_start > 0 ? swa_start : 0;
-        swa_start = swa_start > gather_start ? swa_start : gather_start;
-        swa_len = (int)clamp_i64(position - swa_start + 1, 0, p.window_size);
-        request_base = p.rows_per_request * b;
-        swa_first = request_base + p.swa_offset + (swa_start - gather_start);
-    }
-    const int* __restrict__ topk_row = p.topk_indices + t * p.topk_stride;
-    const i64 swa_offset = p.swa_offset;
-    fill_columns(p.out + t * p.out_stride, piece.c0, piece.c1, (int)threadIdx.x, DSV4_THREADS,
-                 [&](int e) {
-                     if (e < topk_len) {
-                         const int x = topk_row[e];
-                         return x >= 0 && x < swa_offset ? (int)(unsigned)(x + request_base)
-                                                         : DSV4_PAD_SLOT_ID;
-                     }
-                     if (e < topk_len + swa_len) return (int)(unsigned)(swa_first + e - topk_len);
-                     return DSV4_PAD_SLOT_ID;
-                 });
-    if (piece.c0 == 0 && threadIdx.x == 0) p.lens[t] = topk_len + swa_len;
+    fill_row_tiles(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width, p.tiles, [&](i64 t) {
+        CombineRow row{p.topk_indices + t * p.topk_stride, 0, 0, p.swa_offset, 0, 0};
+        if (t < total) {
+            const int b = request_of(qsl, p.query.num_reqs, base + t);
+            const i64 qs = qsl[b], seq_len = p.query.seq_lens[b];
+            const i64 position = seq_len - ((i64)qsl[b + 1] - qs) + (base + t - qs);
+            row.topk_len = p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
+            const i64 gather_start = seq_len - p.gather_lens[b];
+            i64 swa_start = position - p.window_size + 1;
+            swa_start = swa_start > 0 ? swa_start : 0;
+            swa_start = swa_start > gather_start ? swa_start : gather_start;
+            row.swa_len = (int)clamp_i64(position - swa_start + 1, 0, p.window_size);
+            row.request_base = p.rows_per_request * b;
+            row.swa_first = row.request_base + p.swa_offset + (swa_start - gather_start);
+        }
+        return row;
+    });
 }
 
 }  // namespace dsv4

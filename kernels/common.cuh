@@ -95,32 +95,39 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
     return (int)((unsigned)block_row[bs.div(e)] * (unsigned)bs.size + (unsigned)bs.mod(e));
 }
 
-// Writes columns [c0, c1) of one C128A row, with 16-byte stores when
-// row + c0 is 16-byte aligned (then every vector is).
-__device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0, int c1, int n,
-                                                   const int* __restrict__ block_row,
-                                                   int block_size) {
-    const BlockDivisor bs(block_size);
+// Writes value_of(e) to row[e] for e in [c0, c1), shared by `lanes` threads of
+// which this is `lane`: 16-byte stores when row + c0 is 16-byte aligned (then
+// every vector is), unrolled so the loads of several vectors are in flight
+// before the first store waits on them. Streaming (evict-first) stores:
+// measured 3-10% faster on the H200 for C128A rows of 8192 columns, which are
+// far larger than L2.
+template <typename ValueOf>
+__device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int c1, int lane,
+                                             int lanes, const ValueOf& value_of) {
     int e = c0;
     if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
         const int vec_end = c0 + ((c1 - c0) & ~3);
-        // Unrolled so the block-table loads of several vectors are in flight
-        // before the first store waits on them.
 #pragma unroll 4
-        for (int v = c0 + 4 * (int)threadIdx.x; v < vec_end; v += 4 * (int)blockDim.x) {
+        for (int v = c0 + 4 * lane; v < vec_end; v += 4 * lanes) {
             int4 q;
-            q.x = c128a_value(v, n, block_row, bs);
-            q.y = c128a_value(v + 1, n, block_row, bs);
-            q.z = c128a_value(v + 2, n, block_row, bs);
-            q.w = c128a_value(v + 3, n, block_row, bs);
-            // Streaming (evict-first) stores: measured 3-10% faster on the
-            // H200 for rows of 8192 columns, which are far larger than L2.
+            q.x = value_of(v);
+            q.y = value_of(v + 1);
+            q.z = value_of(v + 2);
+            q.w = value_of(v + 3);
             __stcs(reinterpret_cast<int4*>(row + v), q);
         }
         e = vec_end;
     }
-    for (int s = e + (int)threadIdx.x; s < c1; s += (int)blockDim.x)
-        row[s] = c128a_value(s, n, block_row, bs);
+    for (int s = e + lane; s < c1; s += lanes) row[s] = value_of(s);
+}
+
+// Writes columns [c0, c1) of one C128A row, the block's threads sharing it.
+__device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0, int c1, int n,
+                                                   const int* __restrict__ block_row,
+                                                   int block_size) {
+    const BlockDivisor bs(block_size);
+    fill_columns(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
+                 [&](int e) { return c128a_value(e, n, block_row, bs); });
 }
 
 // The piece of the row grid that this block writes: token t, columns [c0, c1).
@@ -183,29 +190,6 @@ __device__ __forceinline__ int block_slot(int entry, int block_size, int within)
     return (int)((unsigned)entry * (unsigned)block_size + (unsigned)within);
 }
 
-// Writes value_of(e) to row[e] for e in [c0, c1), shared by `lanes` threads of
-// which this is `lane`: 16-byte streaming stores when row + c0 is 16-byte
-// aligned (as c128a_fill_columns, for any rule giving a column its value).
-template <typename ValueOf>
-__device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int c1, int lane,
-                                             int lanes, const ValueOf& value_of) {
-    int e = c0;
-    if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
-        const int vec_end = c0 + ((c1 - c0) & ~3);
-#pragma unroll 4
-        for (int v = c0 + 4 * lane; v < vec_end; v += 4 * lanes) {
-            int4 q;
-            q.x = value_of(v);
-            q.y = value_of(v + 1);
-            q.z = value_of(v + 2);
-            q.w = value_of(v + 3);
-            __stcs(reinterpret_cast<int4*>(row + v), q);
-        }
-        e = vec_end;
-    }
-    for (int s = e + lane; s < c1; s += lanes) row[s] = value_of(s);
-}
-
 // One warp per row, grid-stride: this warp's first row, the row step, its lane.
 struct WarpRows {
     i64 first, step;
@@ -214,6 +198,50 @@ struct WarpRows {
         : first(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5),
           step(((i64)gridDim.x * blockDim.x) >> 5), lane((int)(threadIdx.x & 31)) {}
 };
+
+// Row r of a row-tile kernel is row_at(r): `.value(e)` gives column e and
+// `.length()` the row's length. The rows form one flat run of 4-column
+// vectors (vector g: columns [4v, 4v + 4) of row g / vectors_per_row), and a
+// block takes vectors_per_thread consecutive tiles of DSV4_THREADS vectors, so
+// rows narrower than a block share it and every thread stores. A row's state
+// is rebuilt per vector, from loads that L1 serves after the first. Rows whose
+// start is 16-byte aligned get one streaming 16-byte store per full vector;
+// the length is written by the thread of the row's first vector.
+__device__ __forceinline__ i64 tile_row(i64 g, i64 vectors_per_row) {
+    // 32-bit division when it fits: a 64-bit one is a long instruction sequence.
+    if (((unsigned long long)g | (unsigned long long)vectors_per_row) >> 32 == 0)
+        return (unsigned)g / (unsigned)vectors_per_row;
+    return g / vectors_per_row;
+}
+
+template <typename RowAt>
+__device__ __forceinline__ void fill_row_tiles(int* __restrict__ out, i64 out_stride,
+                                               int* __restrict__ lens, i64 num_rows, int width,
+                                               const RowTiles& tiles, const RowAt& row_at) {
+    const bool aligned = ((reinterpret_cast<unsigned long long>(out) |
+                           (unsigned long long)out_stride * 4ull) & 15ull) == 0;
+    const i64 first = (i64)blockIdx.x * tiles.vectors_per_thread * DSV4_THREADS + threadIdx.x;
+#pragma unroll 4
+    for (i64 j = 0; j < tiles.vectors_per_thread; ++j) {
+        const i64 g = first + j * DSV4_THREADS;
+        const i64 r = tile_row(g, tiles.vectors_per_row);
+        if (r >= num_rows) return;
+        const int c = (int)(g - r * tiles.vectors_per_row) * 4;
+        const auto row = row_at(r);
+        int* target = out + r * out_stride + c;
+        if (aligned && c + 4 <= width) {
+            int4 q;
+            q.x = row.value(c);
+            q.y = row.value(c + 1);
+            q.z = row.value(c + 2);
+            q.w = row.value(c + 3);
+            __stcs(reinterpret_cast<int4*>(target), q);
+        } else {
+            for (int k = 0; k < 4 && c + k < width; ++k) target[k] = row.value(c + k);
+        }
+        if (c == 0 && lens != nullptr) lens[r] = row.length();
+    }
+}
 
 // The sum of v over the block (DSV4_THREADS threads), returned to every thread.
 // `scratch` holds DSV4_THREADS / 32 values; every thread of the block must call.

@@ -1,59 +1,85 @@
-// compute_global_topk_indices_and_lens: one block per token row. Entry x of a
-// row becomes block_table[req][x / bs] * bs + x % bs when 0 <= x and x / bs is
-// a column of the table row, else -1 (the 0x7FC00000 NaN pattern included);
-// the length counts the valid entries. An invalid token or a request outside
-// the table gets an all -1 row and length 0, reading nothing. With `compact`
-// the valid entries are packed to the front in order, -1 after.
+// compute_global_topk_indices_and_lens: one warp per token row, 128 entries
+// (4 per lane) at a time. Entry x of a row becomes
+// block_table[req][x / bs] * bs + x % bs when 0 <= x and x / bs is a column of
+// the table row, else -1 (the 0x7FC00000 NaN pattern included); the length
+// counts the valid entries. An invalid token or a request outside the table
+// gets an all -1 row and length 0, reading no table entry. With `compact` the
+// valid entries are packed to the front in order, -1 after.
 //
-// In place (out == topk_indices) is safe: the row is taken in slices of
-// DSV4_THREADS entries, every thread reads its entry of a slice before the
-// barrier and writes after it, and a slice's writes land below the slice's
-// end (packing only moves entries left), so no unread entry is overwritten.
+// In place (out == topk_indices) is safe: a lane reads its entries of a slice
+// before the warp synchronises and writes after, and a slice's writes land
+// below the slice's end (packing only moves entries left), so no unread entry
+// is overwritten. A warp needs no block barrier, so rows never wait on each
+// other; the row's entries are read before its request is known.
 #include "common.cuh"
 
 namespace dsv4 {
+constexpr int kSliceEntries = 4 * 32;   // a warp's entries per step, 4 per lane
+
 __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p) {
-    constexpr int kWarps = DSV4_THREADS / 32;
-    __shared__ int warp_counts[kWarps];
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
-    const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
+    const WarpRows rows;
+    const int lane = rows.lane;
     const BlockDivisor bs((int)p.block_size);
-    for (i64 t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    const bool aligned_in = ((reinterpret_cast<unsigned long long>(p.topk_indices) |
+                              (unsigned long long)p.topk_stride * 4ull) & 15ull) == 0;
+    const bool aligned_out = ((reinterpret_cast<unsigned long long>(p.out) |
+                               (unsigned long long)p.out_stride * 4ull) & 15ull) == 0;
+    for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
         const i64 req = p.token_to_req[t];
         const bool usable = is_valid[t] && req >= 0 && req < p.table.rows;
-        const int* block_row = usable ? p.table.entries + req * p.table.row_stride : nullptr;
+        const i64 columns = usable ? p.table.cols : 0;     // no entry of an unusable row is valid
+        const int* __restrict__ block_row = p.table.entries + (usable ? req : 0) * p.table.row_stride;
         const int* source = p.topk_indices + t * p.topk_stride;
         int* target = p.out + t * p.out_stride;
-        int count = 0;           // valid entries of the earlier slices (same in every thread)
-        for (i64 slice = 0; slice < p.width; slice += DSV4_THREADS) {
-            const i64 k = slice + threadIdx.x;
-            int value = DSV4_PAD_SLOT_ID;
-            bool valid = false;
-            if (usable && k < p.width) {
-                const int x = source[k];
-                valid = x >= 0 && bs.div(x) < p.table.cols;
-                if (valid) value = block_slot(block_row[bs.div(x)], bs.size, bs.mod(x));
+        int count = 0;           // valid entries of the earlier slices (same in every lane)
+        for (i64 slice = 0; slice < p.width; slice += kSliceEntries) {
+            const i64 k = slice + 4 * lane;
+            const bool full = aligned_in && k + 4 <= p.width;
+            int x[4];
+            if (full) {
+                const int4 q = *reinterpret_cast<const int4*>(source + k);
+                x[0] = q.x; x[1] = q.y; x[2] = q.z; x[3] = q.w;
+            } else {
+                for (int j = 0; j < 4; ++j) x[j] = k + j < p.width ? source[k + j] : -1;
             }
-            const unsigned ballot = __ballot_sync(0xffffffffu, valid);
-            if (lane == 0) warp_counts[warp] = __popc(ballot);
-            __syncthreads();     // the slice is read; its warp counts are visible
-            int before = count, total = 0;
-            for (int w = 0; w < kWarps; ++w) {
-                before += w < warp ? warp_counts[w] : 0;
-                total += warp_counts[w];
+            int value[4];
+            unsigned valid_bits = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bool valid = x[j] >= 0 && bs.div(x[j]) < columns;
+                value[j] = valid ? block_slot(block_row[bs.div(x[j])], bs.size, bs.mod(x[j]))
+                                 : DSV4_PAD_SLOT_ID;
+                valid_bits |= (unsigned)valid << j;
             }
-            if (k < p.width) {
-                if (!p.compact) target[k] = value;
-                else if (valid) target[before + __popc(ballot & ((1u << lane) - 1u))] = value;
+            const int mine = __popc(valid_bits);
+            __syncwarp();        // every lane has read its entries of the slice
+            if (!p.compact) {
+                if (aligned_out && k + 4 <= p.width) {
+                    *reinterpret_cast<int4*>(target + k) =
+                        make_int4(value[0], value[1], value[2], value[3]);
+                } else {
+                    for (int j = 0; j < 4; ++j)
+                        if (k + j < p.width) target[k + j] = value[j];
+                }
+            } else {
+                int before = mine;      // inclusive scan of the lanes' counts, then exclusive
+                for (int offset = 1; offset < 32; offset <<= 1) {
+                    const int other = __shfl_up_sync(0xffffffffu, before, offset);
+                    if (lane >= offset) before += other;
+                }
+                int at = count + before - mine;
+                for (int j = 0; j < 4; ++j)
+                    if (valid_bits >> j & 1u) target[at++] = value[j];
             }
-            count += total;
-            __syncthreads();     // warp_counts is free for the next slice
+            count += __reduce_add_sync(0xffffffffu, mine);
         }
-        if (p.compact)
-            for (i64 k = count + threadIdx.x; k < p.width; k += DSV4_THREADS)
-                target[k] = DSV4_PAD_SLOT_ID;
-        if (threadIdx.x == 0) p.lens[t] = count;
+        if (p.compact) {
+            __syncwarp();
+            for (i64 k = count + lane; k < p.width; k += 32) target[k] = DSV4_PAD_SLOT_ID;
+        }
+        if (lane == 0) p.lens[t] = count;
     }
 }
 

@@ -1,16 +1,22 @@
 // fill_short_context_topk_indices: row t holds k for k < n = (positions[t] + 1)
 // / ratio (truncating, clamped to [0, top_k]) and -1 after, over top_k columns:
-// the C128A prefill row rule at another ratio and width. Block b writes one
-// piece of a row, so long rows spread over several blocks.
+// the C128A prefill row rule at another ratio and width. Row tiles: rows of
+// 512 columns are narrower than a block's work.
 #include "common.cuh"
 
 namespace dsv4 {
+struct ShortContextRow {
+    int n;
+    __device__ __forceinline__ int value(int k) const { return k < n ? k : DSV4_PAD_SLOT_ID; }
+    __device__ __forceinline__ int length() const { return n; }
+};
+
 template <typename PosT>
 __device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p) {
-    const RowPiece piece(p.chunks, p.top_k, blockIdx.x);
-    if (piece.t >= p.num_tokens) return;
-    const int n = visible_rows(static_cast<const PosT*>(p.positions)[piece.t], p.ratio, p.top_k);
-    c128a_fill_columns(p.out + piece.t * p.out_stride, piece.c0, piece.c1, n, nullptr, 1);
+    const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
+    fill_row_tiles(p.out, p.out_stride, nullptr, p.num_tokens, (int)p.top_k, p.tiles,
+                   [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
+                                                                    p.top_k)}; });
 }
 
 }  // namespace dsv4

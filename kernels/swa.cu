@@ -1,52 +1,57 @@
-// compute_swa_indices_and_lens: one warp per output row. Row i is token
-// t = i + token_offset; a valid token at position p gets the SWA-cache slots of
-// positions max(p - W + 1, 0) .. p (block_table[b][pos / bs] * bs + pos % bs),
-// then -1. One rule for what cannot be addressed: an invalid token, a request
-// outside the table (or seq_lens) or a negative position gets an all -1 row and
-// length 0; window positions past the table row's blocks are -1 and not counted.
-// W = 128 is one 16-byte store per lane.
+// compute_swa_indices_and_lens: row i is token t = i + token_offset; a valid
+// token at position p gets the SWA-cache slots of positions max(p - W + 1, 0)
+// .. p (block_table[b][pos / bs] * bs + pos % bs), then -1. One rule for what
+// cannot be addressed: an invalid token, a request outside the table (or
+// seq_lens) or a negative position gets an all -1 row and length 0; window
+// positions past the table row's blocks are -1 and not counted. Row tiles
+// (W = 128 is 32 vectors), and the request's layout is read from a clamped
+// request before the validity is known, so the loads of a row form a chain of
+// three (request, layout, block table), as in upstream's kernel.
 #include "common.cuh"
 
 namespace dsv4 {
+struct SwaRow {
+    const int* __restrict__ block_row;
+    i64 first_column;
+    int first_within, count;
+    BlockDivisor bs;
+
+    // Window entry k sits first_within + k rows past the first column's start;
+    // k < count keeps its column inside the table row.
+    __device__ __forceinline__ int value(int k) const {
+        if (k >= count) return DSV4_PAD_SLOT_ID;
+        const int offset = first_within + k;
+        return block_slot(block_row[first_column + bs.div(offset)], bs.size, bs.mod(offset));
+    }
+    __device__ __forceinline__ int length() const { return count; }
+};
+
 __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
-    const WarpRows rows;
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
     const int* __restrict__ qsl = p.query.query_start_loc;
-    const int block_size = (int)p.block_size;
-    for (i64 i = rows.first; i < p.num_rows; i += rows.step) {
+    const i64 requests = min(p.query.num_reqs, p.table.rows);
+    fill_row_tiles(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size, p.tiles,
+                   [&](i64 i) {
+        SwaRow row{nullptr, 0, 0, 0, BlockDivisor((int)p.block_size)};
         const i64 t = i + p.token_offset;
+        const bool valid = is_valid[t] != 0;
         const i64 b = p.token_to_req[t];
-        const int* block_row = nullptr;
-        int count = 0;
-        i64 first_column = 0;
-        int first_within = 0;
-        if (is_valid[t] && b >= 0 && b < p.query.num_reqs && b < p.table.rows) {
-            const i64 qs = qsl[b];
-            const i64 position = (i64)p.query.seq_lens[b] - ((i64)qsl[b + 1] - qs) + (t - qs);
-            if (position >= 0) {
-                const i64 start = position - p.window_size + 1 > 0 ? position - p.window_size + 1
-                                                                    : 0;
-                count = (int)clamp_i64(
-                    min(position + 1 - start, p.table.cols * p.block_size - start), 0,
-                    p.window_size);
-                block_row = p.table.entries + b * p.table.row_stride;
-                first_column = start / p.block_size;
-                first_within = (int)(start - first_column * p.block_size);
-            }
-        }
-        // Window entry k sits first_within + k rows past the first column's start;
-        // k < count keeps its column inside the table row.
-        const BlockDivisor bs(block_size);
-        fill_columns(p.indices + i * p.indices_stride, 0, (int)p.window_size, rows.lane, 32,
-                     [&](int k) {
-                         if (k >= count) return DSV4_PAD_SLOT_ID;
-                         const int offset = first_within + k;
-                         return block_slot(block_row[first_column + bs.div(offset)], block_size,
-                                           bs.mod(offset));
-                     });
-        if (rows.lane == 0) p.lens[i] = count;
-    }
+        if (requests <= 0) return row;
+        const bool in_table = b >= 0 && b < requests;
+        const i64 request = in_table ? b : 0;
+        const i64 qs = qsl[request];
+        const i64 position = (i64)p.query.seq_lens[request] - ((i64)qsl[request + 1] - qs) +
+                             (t - qs);
+        if (!valid || !in_table || position < 0) return row;
+        const i64 start = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
+        row.count = (int)clamp_i64(min(position + 1 - start, p.table.cols * p.block_size - start),
+                                   0, p.window_size);
+        row.block_row = p.table.entries + request * p.table.row_stride;
+        row.first_column = start / p.block_size;
+        row.first_within = (int)(start - row.first_column * p.block_size);
+        return row;
+    });
 }
 
 }  // namespace dsv4

@@ -62,6 +62,17 @@ def test_demo_runs_on_this_machine():
     assert "c128a decode indices (128, 1, 512)" in run.stdout
 
 
-def test_cpu_warmup_covers_every_dtype():
+def test_cpu_warmup_covers_every_kernel_and_dtype():
+    """warmup(cpu=True) names every kernel that cpu.KERNELS declares, each dtype
+    variant once, and leaves no dispatcher (or parallel kernel's twin) uncompiled."""
+    from dsv4_cupy import cpu
     done = d4.warmup(gpu=False, cpu=True)
-    assert len(done["cpu"]) == 7 and done["gpu"] == []
+    assert done["gpu"] == [] and len(set(done["cpu"])) == len(done["cpu"])
+    assert {name.split("[")[0] for name in done["cpu"]} == {k.__name__ for k in cpu.KERNELS}
+    variants = {"compressed_slot_mapping": 2, "c128a_topk_metadata": 4,
+                "short_context_topk_indices": 2}         # the dtype axes of the API
+    for kernel in cpu.KERNELS:
+        named = [name for name in done["cpu"] if name.split("[")[0] == kernel.__name__]
+        assert len(named) == variants.get(kernel.__name__, 1), kernel.__name__
+        twins = kernel.variants() if isinstance(kernel, cpu.ParallelKernel) else (kernel,)
+        assert all(len(twin.signatures) >= len(named) for twin in twins), kernel.__name__

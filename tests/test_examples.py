@@ -26,7 +26,18 @@ def test_torch_dlpack():
     run_example("torch_dlpack.py")
 
 
+def test_swa_c4a_step():
+    """On the CPU path here; on the GPU (cupy) where there is one."""
+    output = run_example("swa_c4a_step.py")
+    assert "shared with torch without a copy" in output or "torch not installed" in output
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["cupy_pipeline.py", "cuda_graph.py"])
 def test_gpu_examples(name):
     assert "skipping this example" not in run_example(name)
+
+
+@pytest.mark.gpu
+def test_swa_c4a_step_runs_on_the_gpu():
+    assert run_example("swa_c4a_step.py").startswith("GPU (cupy)")

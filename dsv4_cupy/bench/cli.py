@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from .host_cost import host_rows, print_host_rows
 from .layers import print_layer_rows
 
 MAX_MODEL_LEN = 1 << 20
@@ -214,10 +215,12 @@ def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
             row["x_torch_gpu"] = row["torch_graph_us"] / row["ours_graph_us"]
             row["x_torch_host"] = row["torch_host_us"] / row["ours_host_us"]
             rows.append(row)
+    host, host_meta = host_rows(timer, torch, make_step, MAX_MODEL_LEN, MAX_TOKENS)
+    rows += host
     from .layers import layer_rows
-    rows += layer_rows(quick, timer, ceil["write_GBps"],
+    rows += layer_rows(quick, timer, ceil["write_GBps"], host_meta["launch_floor_us"],
                        lambda items: _progress(items, progress, "layer cases"))
-    meta = {"ceilings": ceil, "vllm": vllm_note, "torch": torch.__version__,
+    meta = {"ceilings": ceil, "host": host_meta, "vllm": vllm_note, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name()}
     try:
         import triton
@@ -274,6 +277,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   f"{r['ours_event_us']:8.2f} {r['torch_graph_us']:11.2f} {r['x_torch_gpu']:6.1f} "
                   f"{r['ours_host_us']:9.1f} {r['torch_host_us']:10.1f} {r['x_torch_host']:6.1f} "
                   f"{r['ours_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")
+    if "host" in meta:
+        print_host_rows([r for r in rows if "x_floor" in r], meta["host"])
     print_layer_rows(rows)
     for r in rows:
         if "numba_ms" in r:

@@ -30,18 +30,11 @@ def launch_floor_us(timer, torch) -> float:
 
 def triton_launcher_us(timer, torch) -> float | None:
     try:
-        import triton
-        import triton.language as tl
+        from .triton_ports import empty_launch
     except ImportError:
         return None
-
-    @triton.jit
-    def seven_tensors(p0, p1, p2, p3, p4, p5, p6, n, m, BLOCK: tl.constexpr):
-        pass
-
     x = torch.zeros(1024, dtype=torch.int32, device="cuda")
-    args = [x] * 7
-    return timer.host_us(lambda: seven_tensors[(1,)](*args, 1, 2, BLOCK=128), reps=2000)
+    return timer.host_us(lambda: empty_launch([x] * 7, 1, 2), reps=2000)
 
 
 def op_cases(torch, make_step) -> list[tuple[str, object]]:
@@ -95,8 +88,8 @@ def host_rows(timer, torch, make_step, max_model_len, max_tokens) -> tuple[list[
     for name, call in (op_cases(torch, make_step)
                        + builder_cases(torch, make_step, max_model_len, max_tokens)):
         host = timer.host_us(call, reps=2000)
-        rows.append({"case": name, "host_us": host, "x_floor": host / floor,
-                     "x_triton": host / triton_us if triton_us else float("nan")})
+        rows.append({"op": "host", "case": name, "host_us": host, "x_floor": host / floor,
+                     "x_triton": host / triton_us if triton_us else None})
     return rows, {"launch_floor_us": floor, "triton_launcher_us": triton_us}
 
 
@@ -106,5 +99,5 @@ def print_host_rows(rows: list[dict], meta: dict) -> None:
           + (f"{triton_us:.2f} us" if triton_us else "not available"))
     print(f"{'case':42} {'host us':>8} {'x floor':>8} {'x triton':>9}")
     for row in rows:
-        print(f"{row['case']:42} {row['host_us']:8.2f} {row['x_floor']:8.2f} "
-              f"{row['x_triton']:9.2f}")
+        x_triton = f"{row['x_triton']:9.2f}" if row["x_triton"] is not None else f"{'-':>9}"
+        print(f"{row['case']:42} {row['host_us']:8.2f} {row['x_floor']:8.2f} {x_triton}")

@@ -27,9 +27,13 @@ def _requests(rng, query_lens):
 
 def layer_cases(quick: bool) -> list[tuple[str, str, dict]]:
     """(op, case name, parameters)."""
-    cases = [("swa", "decode 256x2", dict(decodes=256, query_len=2)),
+    # Decode batches of 1-64 tokens, where launch and latency dominate, then larger ones.
+    cases = [("swa", f"decode {n}x1", dict(decodes=n, query_len=1)) for n in (1, 16, 64)]
+    cases += [("global_topk", f"decode {n} K=512", dict(tokens=n, width=512)) for n in (1, 16, 64)]
+    cases += [("swa", "decode 256x2", dict(decodes=256, query_len=2)),
              ("swa", "prefill 8192", dict(decodes=0, prefill=8192)),
              ("global_topk", "decode 512 K=512", dict(tokens=512, width=512)),
+             ("short_fill", "64 x 512", dict(tokens=64, top_k=512)),
              ("short_fill", "8192 x 512", dict(tokens=8192, top_k=512)),
              ("combine", "C128A 8192 C=8320", dict(tokens=8192, topk=C128A_WIDTH)),
              ("combine", "C4A 8192 C=640", dict(tokens=8192, topk=INDEX_TOPK)),
@@ -139,7 +143,8 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
     raise ValueError(f"unknown op {op!r}")
 
 
-def layer_rows(quick: bool, timer, write_ceiling_gbps: float, progress) -> list[dict]:
+def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: float,
+               progress) -> list[dict]:
     import torch
     try:
         from . import triton_ports as ports
@@ -153,6 +158,7 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, progress) -> list[
         row = {"op": op, "case": name, "MB": written_mb}
         row["ours_layer_graph_us"] = timer.graph_us(ours)
         row["ours_layer_host_us"] = timer.host_us(ours)
+        row["host_x_floor"] = row["ours_layer_host_us"] / launch_floor_us
         row["ours_layer_GBps"] = written_mb / row["ours_layer_graph_us"] * 1e3
         row["write_ceiling_pct"] = 100 * row["ours_layer_GBps"] / write_ceiling_gbps
         if port is not None:
@@ -162,6 +168,8 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, progress) -> list[
             row["triton_same_bytes"] = all(torch.equal(a, b) for a, b in zip(ours_out, port_out))
             row["triton_graph_us"] = timer.graph_us(port)
             row["x_triton"] = row["triton_graph_us"] / row["ours_layer_graph_us"]
+            row["triton_host_us"] = timer.host_us(port)
+            row["x_triton_host"] = row["triton_host_us"] / row["ours_layer_host_us"]
         rows.append(row)
     return rows
 
@@ -171,11 +179,14 @@ def print_layer_rows(rows: list[dict]) -> None:
     if not layer:
         return
     print(f"\n{'op':15} {'case':20} {'ours graph us':>13} {'triton graph us':>15} {'x':>5} "
-          f"{'same':>5} {'ours host us':>12} {'MB':>7} {'GB/s':>6} {'%wr':>4}")
+          f"{'same':>5} {'ours host us':>12} {'x floor':>7} {'triton host':>11} {'x host':>6} "
+          f"{'MB':>7} {'GB/s':>6} {'%wr':>4}")
     for r in layer:
         triton = (f"{r['triton_graph_us']:15.2f} {r['x_triton']:5.2f} "
                   f"{str(r['triton_same_bytes']):>5}") if "triton_graph_us" in r else \
             f"{'-':>15} {'-':>5} {'-':>5}"
+        triton_host = (f"{r['triton_host_us']:11.1f} {r['x_triton_host']:6.2f}"
+                       if "triton_host_us" in r else f"{'-':>11} {'-':>6}")
         print(f"{r['op']:15} {r['case']:20} {r['ours_layer_graph_us']:13.2f} {triton} "
-              f"{r['ours_layer_host_us']:12.1f} {r['MB']:7.2f} {r['ours_layer_GBps']:6.0f} "
-              f"{r['write_ceiling_pct']:4.0f}")
+              f"{r['ours_layer_host_us']:12.1f} {r['host_x_floor']:7.2f} {triton_host} "
+              f"{r['MB']:7.2f} {r['ours_layer_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")

@@ -145,3 +145,14 @@ def combine_topk_swa_indices(out, lens, topk_indices, query_start_loc, seq_lens,
             query_start_loc, seq_lens, gather_lens, M, N, WINDOW=window_size,
             RATIO=compress_ratio if topk else 1, TOPK=topk, WIDTH=width,
             TILE_COLS=min(TILE, triton.next_power_of_2(width)), WORKERS=COMBINE_WORKERS)
+
+
+@triton.jit
+def _seven_tensors_kernel(p0, p1, p2, p3, p4, p5, p6, n, m, BLOCK: tl.constexpr):
+    pass
+
+
+def empty_launch(tensors, n, m):
+    """Triton's launcher alone: an empty kernel taking the seed C128A kernel's
+    arguments (7 tensors, 2 ints), for the host-cost comparison."""
+    _seven_tensors_kernel[(1,)](*tensors, n, m, BLOCK=128)
