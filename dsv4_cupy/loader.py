@@ -22,6 +22,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import itertools
@@ -173,8 +174,8 @@ def _load(family: KernelFamily):
         raise KernelCompileError(family.file, f"sm_{cc}", opts, str(error)) from None
 
 
-_MODULES: dict = {}      # (context, family) -> Module
-_FUNCTIONS: dict = {}    # (context, entry) -> Function
+_MODULES: dict = {}      # (context key, family) -> Module
+_FUNCTIONS: dict = {}    # (context key, entry) -> Function
 #: Driver errors that mean a handle belongs to a context that is gone.
 _STALE_HANDLE_ERRORS = (201, 400, 709)   # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
 
@@ -190,24 +191,66 @@ def _context() -> int:
     return context
 
 
-def get(family: KernelFamily, entry: str, context: int | None = None):
-    """The compiled entry point ``entry`` of ``family`` in the current context."""
-    context = _context() if context is None else context
+@functools.lru_cache(maxsize=None)
+def _cu_ctx_get_id():
+    """The driver's ``cuCtxGetId`` (CUDA 12.0+), or None. A reset primary
+    context can come back under the same handle with a new id, so (handle, id)
+    names one context for the process's lifetime."""
+    try:
+        function = ctypes.CDLL("libcuda.so.1").cuCtxGetId
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+    function.restype = ctypes.c_int
+    return function
+
+
+class ContextId:
+    """Reads a live context's id (0 where the driver cannot say) into storage
+    of its own; callers sharing one read the same context, so concurrent reads
+    write the same value."""
+
+    __slots__ = ("_read", "_value", "_address")
+
+    def __init__(self):
+        self._read = _cu_ctx_get_id()
+        self._value = np.zeros(1, np.uint64)
+        self._address = self._value.ctypes.data
+
+    def __call__(self, context: int) -> int:
+        if self._read is None or self._read(context, self._address) != 0:
+            return 0
+        return int(self._value[0])
+
+
+def context_key(context: int) -> tuple[int, int]:
+    """(handle, id) of the live context ``context``: what loaded handles belong to."""
+    return context, ContextId()(context)
+
+
+def get(family: KernelFamily, entry: str, context: tuple | None = None):
+    """The compiled entry point ``entry`` of ``family`` in the current context
+    (``context``: its ``context_key``)."""
+    context = context_key(_context()) if context is None else context
     key = (context, entry)
     function = _FUNCTIONS.get(key)
     if function is None:
         module = _MODULES.get((context, family))
         if module is None:
+            for replaced in {k[0] for k in _MODULES if k[0][0] == context[0] and k[0] != context}:
+                forget_context(replaced)        # the same handle, an older (reset) context
             module = _MODULES[(context, family)] = _load(family)
         function = _FUNCTIONS[key] = module.get_function(entry)
     return function
 
 
-def forget_context(context: int) -> None:
-    """Drop every module and function loaded into ``context`` (gone or reset)."""
-    for cache in (_MODULES, _FUNCTIONS):
-        for key in [key for key in cache if key[0] == context]:
-            del cache[key]
+def forget_context(context: tuple) -> None:
+    """Drop every module and function loaded into ``context`` (gone or reset). Its
+    modules died with it, so they are not unloaded again (an invalid handle)."""
+    for key in [key for key in _FUNCTIONS if key[0] == context]:
+        del _FUNCTIONS[key]
+    for key in [key for key in _MODULES if key[0] == context]:
+        _MODULES.pop(key).ptr = 0
 
 
 def compile_for(family: KernelFamily, arch: str) -> bytes:
@@ -260,13 +303,15 @@ class LaunchPlan:
 
     ``run(stream)`` is the whole host cost of a repeated launch: a check that
     the plan's context is current (else it is made current for the launch and
-    the caller's device restored), and ``cuLaunchKernel``. It returns False,
-    having launched nothing, when the device's context is no longer the plan's
-    (a reset); the caller then takes its full path and makes a new plan.
+    the caller's device restored) and is still the one the plan was made in
+    (a reset can give a new context the old handle: the ids differ), and
+    ``cuLaunchKernel``. It returns False, having launched nothing, when the
+    device's context is no longer the plan's; the caller then takes its full
+    path and makes a new plan.
     """
 
-    __slots__ = ("function", "device", "context", "blocks", "storage", "pointers",
-                 "kernel_params", "_cuda")
+    __slots__ = ("function", "device", "context", "context_id", "blocks", "storage",
+                 "pointers", "kernel_params", "_read_id", "_cuda")
 
     def __init__(self, family: KernelFamily, entry: str, device: int, blocks: int,
                  fields: dict):
@@ -276,9 +321,11 @@ class LaunchPlan:
         self.pointers = np.array([self.storage.ctypes.data], np.uint64)  # void* kernelParams[1]
         self.kernel_params = self.pointers.ctypes.data
         self.device, self.blocks = device, blocks
+        self._read_id = ContextId()
         with self._cuda.Device(device):
             self.context = _context()
-            self.function = get(family, entry, self.context).ptr
+            self.context_id = self._read_id(self.context)
+            self.function = get(family, entry, (self.context, self.context_id)).ptr
 
     def run(self, stream: int) -> bool:
         cuda = self._cuda
@@ -290,6 +337,8 @@ class LaunchPlan:
             return self._launch(stream)
 
     def _launch(self, stream: int) -> bool:
+        if self._read_id(self.context) != self.context_id:
+            return False
         driver = self._cuda.driver
         try:
             driver.launchKernel(self.function, self.blocks, 1, 1, THREADS, 1, 1, 0, stream,
@@ -297,7 +346,7 @@ class LaunchPlan:
         except driver.CUDADriverError as error:
             if error.status not in _STALE_HANDLE_ERRORS:
                 raise
-            forget_context(self.context)
+            forget_context((self.context, self.context_id))
             return False
         return True
 
@@ -337,7 +386,7 @@ def launch(family: KernelFamily, entry: str, device: int, blocks: int, stream: i
         _BUFFERS.bound_devices.add(device)
     storage, _, kernel_params = _BUFFERS.get(family.params)
     family.params.pack_into(storage, **fields)
-    context = _context()
+    context = context_key(_context())
     driver = cupy.cuda.driver
     try:
         driver.launchKernel(get(family, entry, context).ptr, blocks, 1, 1, THREADS, 1, 1, 0,
