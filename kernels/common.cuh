@@ -18,6 +18,17 @@ __device__ __forceinline__ i64 clamp_i64(i64 v, i64 lo, i64 hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
 
+// n / d for n >= 0, d > 0: a shift when d is a power of two (the ratios, block
+// sizes and most row widths), 32-bit division when both fit. A 64-bit division
+// by a run-time divisor is a long dependent instruction sequence, which on a
+// latency-bound kernel costs as much as a memory round trip.
+__device__ __forceinline__ i64 quotient(i64 n, i64 d) {
+    if ((d & (d - 1)) == 0) return n >> (__ffsll(d) - 1);
+    if (((unsigned long long)n | (unsigned long long)d) >> 32 == 0)
+        return (unsigned)n / (unsigned)d;
+    return n / d;
+}
+
 // The request owning flattened token t: the first i with qsl[i + 1] > t,
 // clamped to [0, num_reqs - 1]. Never reads qsl[num_reqs + 1].
 __device__ __forceinline__ int request_of(const int* __restrict__ qsl, i64 num_reqs, i64 t) {
@@ -67,10 +78,12 @@ __device__ __forceinline__ i64 compressed_slot_at(const QueryLayout& q, const Bl
 }
 
 // Visible compressed rows of a query at `position`, clamped to [0, width].
-// Division truncates toward zero, as the seed's Triton kernel does.
+// Division truncates toward zero, as the seed's Triton kernel does (a
+// numerator <= 0 gives 0 either way).
 template <typename PosT>
 __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, i64 width) {
-    return (int)clamp_i64(((i64)position + 1) / ratio, 0, width);
+    const i64 numerator = (i64)position + 1;
+    return numerator <= 0 ? 0 : (int)min(quotient(numerator, ratio), width);
 }
 
 // Division by the storage block size: a shift for powers of two (2 for C128A).
@@ -207,13 +220,6 @@ struct WarpRows {
 // is rebuilt per vector, from loads that L1 serves after the first. Rows whose
 // start is 16-byte aligned get one streaming 16-byte store per full vector;
 // the length is written by the thread of the row's first vector.
-__device__ __forceinline__ i64 tile_row(i64 g, i64 vectors_per_row) {
-    // 32-bit division when it fits: a 64-bit one is a long instruction sequence.
-    if (((unsigned long long)g | (unsigned long long)vectors_per_row) >> 32 == 0)
-        return (unsigned)g / (unsigned)vectors_per_row;
-    return g / vectors_per_row;
-}
-
 template <typename RowAt>
 __device__ __forceinline__ void fill_row_tiles(int* __restrict__ out, i64 out_stride,
                                                int* __restrict__ lens, i64 num_rows, int width,
@@ -224,7 +230,7 @@ __device__ __forceinline__ void fill_row_tiles(int* __restrict__ out, i64 out_st
 #pragma unroll 4
     for (i64 j = 0; j < tiles.vectors_per_thread; ++j) {
         const i64 g = first + j * DSV4_THREADS;
-        const i64 r = tile_row(g, tiles.vectors_per_row);
+        const i64 r = quotient(g, tiles.vectors_per_row);
         if (r >= num_rows) return;
         const int c = (int)(g - r * tiles.vectors_per_row) * 4;
         const auto row = row_at(r);

@@ -48,7 +48,7 @@ __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
         row.count = (int)clamp_i64(min(position + 1 - start, p.table.cols * p.block_size - start),
                                    0, p.window_size);
         row.block_row = p.table.entries + request * p.table.row_stride;
-        row.first_column = start / p.block_size;
+        row.first_column = quotient(start, p.block_size);
         row.first_within = (int)(start - row.first_column * p.block_size);
         return row;
     });

@@ -209,11 +209,14 @@ def test_item06_a_misaligned_device_pointer_is_refused():
 def test_item07_kernels_reload_after_a_device_reset():
     run = run_python("""
         import ctypes, cupy, numpy as np, dsv4_cupy as d4
+        # No memory pools: CuPy's own pools do not survive a reset; allocations
+        # then come straight from the current context (often at the old addresses,
+        # which is the case that must not launch a stale kernel handle).
+        cupy.cuda.set_allocator(None)
+        cupy.cuda.set_pinned_memory_allocator(None)
         qsl = np.array([0, 2, 5], np.int32)
         out = cupy.zeros(6, cupy.int32)
         first = d4.token_to_req_indices(cupy.asarray(qsl), 6, out=out).get().tolist()
-        del out
-        cupy.get_default_memory_pool().free_all_blocks()
         cupy.cuda.runtime.deviceSynchronize()
         # What cudaDeviceReset does: the device's primary context is destroyed.
         assert ctypes.CDLL("libcuda.so.1").cuDevicePrimaryCtxReset_v2(0) == 0
