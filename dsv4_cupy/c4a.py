@@ -8,8 +8,12 @@ import numpy as np
 from . import arrays, cpu, families, geometry, validation
 from .arrays import BOOL, INT32
 from .families import POSITIONS_AXIS
+from .prepared import PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+_GLOBAL_TOPK = PreparedOp("compute_global_topk_indices_and_lens")
+_SHORT_CONTEXT = PreparedOp("fill_short_context_topk_indices")
 
 
 def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, block_table,
@@ -52,6 +56,14 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     ``lens`` counts the valid entries. A token that is not valid, or whose
     request is outside the table, gets an all -1 row and length 0.
     """
+    key = None
+    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+        # A bool is keyed apart from the ints (True == 1), which the checks refuse.
+        key, results = _GLOBAL_TOPK.replay(topk_indices, token_to_req_indices, block_table,
+                                           block_size, is_valid_token, ("compact", compact)
+                                           if type(compact) is bool else compact, *out)
+        if results is not None:
+            return results
     indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "token_to_req_indices": token_to_req_indices,
@@ -78,15 +90,17 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
         validation.request_ids(token_to_req_indices, kind, num_tokens, table.shape[0],
                                is_valid_token=is_valid_token)
 
+    results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if num_tokens:
-            families.GLOBAL_TOPK.launch(
-                device, geometry.warp_row_blocks(num_tokens),
-                arrays.launch_stream(kind, device), table=arrays.block_table_group(table),
+            plans = (families.GLOBAL_TOPK.plan(
+                device, geometry.warp_row_blocks(num_tokens), table=arrays.block_table_group(table),
                 topk_indices=topk.ptr, token_to_req=token_to_req.ptr, is_valid_token=valid.ptr,
                 out=indices.ptr, lens=lens.ptr, topk_stride=arrays.row_stride(topk),
                 out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
-                block_size=block_size, compact=int(compact))
+                block_size=block_size, compact=int(compact)),)
+        return _GLOBAL_TOPK.launch(key, plans, kind, device, results, results)
     else:
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
         flat_topk, topk_stride = view_2d(topk_indices, kind)
@@ -97,7 +111,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
             view(token_to_req_indices, kind), view(is_valid_token, kind), flat_table,
             table_stride, np.int64(table.shape[0]), np.int64(table.shape[1]),
             np.int64(block_size), bool(compact), flat_out, out_stride, view(lens.array, kind))
-    return indices.array[:num_tokens, :width], lens.array[:num_tokens]
+    return results
 
 
 def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
@@ -128,6 +142,11 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     ``k < (positions[t] + 1) // compress_ratio`` (truncating toward zero) and
     -1 after; rows are never longer than ``top_k``.
     """
+    key = None
+    if validate == "default" and out is not None:
+        key, results = _SHORT_CONTEXT.replay(positions, top_k, compress_ratio, num_tokens, out)
+        if results is not None:
+            return results
     kind, device, ops = arrays.probe_all({"positions": positions, "out": out})
     pos = ops["positions"]
     positions_dtype = arrays.check(pos, POSITIONS_AXIS[1], 1)
@@ -141,17 +160,20 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     if validation.check_mode(validate):
         validation.short_context_inputs(positions, kind, num_tokens, top_k, compress_ratio)
 
+    result = rows.array[:num_tokens, :top_k]
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if num_tokens:
             tiles, blocks = geometry.row_tiles(num_tokens, top_k, device)
-            families.SHORT_CONTEXT.launch(
-                device, blocks, arrays.launch_stream(kind, device), (positions_dtype,),
+            plans = (families.SHORT_CONTEXT.plan(
+                device, blocks, (positions_dtype,),
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),
                 top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens,
-                tiles=tiles)
+                tiles=tiles),)
+        return _SHORT_CONTEXT.launch(key, plans, kind, device, result, (result,))
     else:
         flat_rows, rows_stride = arrays.kernel_view_2d(rows.array, kind)
         cpu.short_context_topk_indices(
             arrays.kernel_view(positions, kind), np.int64(num_tokens), np.int64(top_k),
             np.int64(compress_ratio), flat_rows, rows_stride)
-    return rows.array[:num_tokens, :top_k]
+    return result

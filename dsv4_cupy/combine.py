@@ -5,6 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
+from .prepared import PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, round_up
 
@@ -15,6 +16,8 @@ COMBINED_WIDTH_ALIGNMENT = 128
 def combined_width(topk: int, window_size: int) -> int:
     """``C = round_up(topk + window_size, 128)``: 640 (C4A Flash), 8320 (C128A at 1M), 128 (SWA)."""
     return round_up(topk + window_size, COMBINED_WIDTH_ALIGNMENT)
+
+_PREPARED = PreparedOp("combine_topk_swa_indices")
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
@@ -66,6 +69,12 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1, 0, g0)``, then -1;
     ``lens = k_len + s_len``. Values are int32 (wrapping).
     """
+    key = None
+    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+        key, results = _PREPARED.replay(topk_indices, query_start_loc, seq_lens, gather_lens,
+                                        window_size, compress_ratio, topk, M, N, *out)
+        if results is not None:
+            return results
     indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
@@ -92,18 +101,21 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
                                   window_size, M, N)
 
+    results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if num_tokens:
             tiles, blocks = geometry.row_tiles(num_tokens, width, device)
-            families.COMBINE.launch(
-                device, blocks, arrays.launch_stream(kind, device),
+            plans = (families.COMBINE.plan(
+                device, blocks,
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 gather_lens=gather.ptr, topk_indices=topk_op.ptr, out=indices.ptr, lens=lens.ptr,
                 topk_stride=arrays.row_stride(topk_op),
                 out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
                 window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
-                swa_offset=N, tiles=tiles)
+                swa_offset=N, tiles=tiles),)
+        return _PREPARED.launch(key, plans, kind, device, results, results)
     else:
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
         flat_topk, topk_stride = view_2d(topk_indices, kind)
@@ -113,4 +125,4 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
             view(seq_lens, kind), view(gather_lens, kind), np.int64(window_size),
             np.int64(compress_ratio), np.int64(topk), np.int64(M), np.int64(N),
             np.int64(num_tokens), np.int64(width), flat_out, out_stride, view(lens.array, kind))
-    return indices.array[:num_tokens, :width], lens.array[:num_tokens]
+    return results

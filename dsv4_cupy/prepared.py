@@ -44,4 +44,33 @@ class PreparedCall:
         return True
 
 
-__all__ = ["PreparedCall", "PlanCache"]
+class PreparedOp:
+    """The prepared calls of one op, by ``arrays.launch_key`` of its arguments."""
+
+    __slots__ = ("name", "_calls")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._calls = PlanCache()
+
+    def replay(self, *args) -> tuple:
+        """``(key, results)``: the results of a prepared call with these
+        arguments, launched again, or None (the key is None: no fast path)."""
+        key = arrays.launch_key(*args)
+        call = self._calls.get(key) if key is not None else None
+        if call is not None and call.run():
+            return key, call.results
+        return key, None
+
+    def launch(self, key, plans: tuple[LaunchPlan, ...], kind: str, device: int, results,
+               views: tuple):
+        """Launch ``plans`` (checked arguments) and keep them under ``key``."""
+        call = PreparedCall(plans, kind, device, results, views)
+        if not call.run():
+            raise RuntimeError(f"{self.name}: the device changed during the call")
+        if key is not None:
+            self._calls.put(key, call)
+        return results
+
+
+__all__ = ["PreparedCall", "PreparedOp", "PlanCache"]

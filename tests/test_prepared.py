@@ -111,3 +111,60 @@ def test_one_builder_over_many_steps_equals_the_cpu_builder(kind):
                     np.testing.assert_array_equal(to_numpy(g), w, err_msg=field)
             assert (got.num_decodes, got.num_prefill_tokens) == (want.num_decodes,
                                                                  want.num_prefill_tokens)
+
+
+def _layer_calls(rng):
+    """Host inputs of one step of the per-layer ops: 6 requests, decodes then prefills."""
+    query_lens = np.array([1, 2, 1, 3, 40, 7])
+    seq = query_lens + rng.integers(0, 3000, len(query_lens))
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    tokens = int(qsl[-1])
+    token_to_req = np.repeat(np.arange(len(query_lens)), query_lens).astype(np.int32)
+    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query_lens, seq)])
+    valid = rng.random(tokens) < 0.9
+    table = rng.integers(0, 1 << 16, (len(query_lens), 64), dtype=np.int32)
+    topk = rng.integers(-1, 900, (tokens, 512), dtype=np.int32)
+    gather = d4.compute_prefill_gather_lens(qsl, seq.astype(np.int32), 0, len(query_lens))
+    return dict(qsl=qsl, seq=seq.astype(np.int32), t2r=token_to_req, positions=positions,
+                valid=valid, table=table, topk=topk, gather=gather)
+
+
+def _run_layer_ops(x, outs):
+    return {
+        "swa": d4.compute_swa_indices_and_lens(128, x["qsl"], x["seq"], x["t2r"], x["valid"],
+                                               x["table"], 64, out=outs["swa"]),
+        "global": d4.compute_global_topk_indices_and_lens(x["topk"], x["t2r"], x["table"], 64,
+                                                          x["valid"], out=outs["global"]),
+        "short": (d4.fill_short_context_topk_indices(x["positions"], 512, 4,
+                                                     out=outs["short"]),),
+        "combine": d4.combine_topk_swa_indices(x["topk"], x["qsl"], x["seq"], x["gather"], 128,
+                                               4, 512, 4000, 1000, out=outs["combine"]),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_repeated_layer_op_calls_follow_inputs_changed_in_place(kind):
+    rng = np.random.default_rng(11)
+    first = _layer_calls(rng)
+    inputs = {name: to_kind(value, kind) for name, value in first.items()}
+    tokens = first["topk"].shape[0]
+    outs = {"swa": (to_kind(np.zeros((tokens, 1, 128), np.int32), kind),
+                    to_kind(np.zeros(tokens, np.int32), kind)),
+            "global": (to_kind(np.zeros((tokens, 512), np.int32), kind),
+                       to_kind(np.zeros(tokens, np.int32), kind)),
+            "short": to_kind(np.zeros((tokens, 512), np.int32), kind),
+            "combine": (to_kind(np.zeros((tokens, 640), np.int32), kind),
+                        to_kind(np.zeros(tokens, np.int32), kind))}
+    for step in range(6):
+        host = first if step == 0 else _layer_calls(rng)
+        for name, value in host.items():
+            inputs[name][...] = to_kind(value, kind)
+        for buffers in outs.values():
+            for buffer in (buffers if isinstance(buffers, tuple) else (buffers,)):
+                buffer[...] = POISON
+        got = _run_layer_ops(inputs, outs)
+        want = _run_layer_ops(host, {name: None for name in outs})
+        for op in want:
+            for a, b in zip(got[op], want[op]):
+                np.testing.assert_array_equal(to_numpy(a), to_numpy(b), err_msg=f"{op} step {step}")
