@@ -9,7 +9,8 @@ from .arrays import to_torch
 from .builder import DeepseekV4MetadataBuilder
 from .c128a import build_c128a_topk_metadata
 from .c4a import compute_global_topk_indices_and_lens, fill_short_context_topk_indices
-from .combine import combine_topk_swa_indices
+from .c4a_layer import c4a_layer_topk
+from .combine import build_c128a_combined_prefill_rows, combine_topk_swa_indices
 from .dcp import get_dcp_local_seq_lens
 from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
                      UnsupportedDeviceError)
@@ -37,5 +38,6 @@ __all__ = [
     "compute_swa_indices_and_lens", "compute_global_topk_indices_and_lens",
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "compute_prefill_gather_lens",
     "get_prefill_chunk_plan", "build_indexer_prefill_chunk_metadata",
-    "build_indexer_decode_metadata", "__version__",
+    "build_indexer_decode_metadata", "c4a_layer_topk", "build_c128a_combined_prefill_rows",
+    "__version__",
 ]

@@ -8,7 +8,7 @@ import numpy as np
 from . import arrays, cpu, families, geometry, validation
 from .arrays import BOOL, INT32
 from .families import POSITIONS_AXIS
-from .prepared import PreparedOp
+from .prepared import CheckedCall, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -64,6 +64,14 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
                                            if type(compact) is bool else compact, *out)
         if results is not None:
             return results
+    return _GLOBAL_TOPK.run(key, families.GLOBAL_TOPK, check_global_topk(
+        topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, compact,
+        out, validate))
+
+
+def check_global_topk(topk_indices, token_to_req_indices, block_table, block_size,
+                      is_valid_token, compact, out, validate) -> CheckedCall:
+    """The checks of ``compute_global_topk_indices_and_lens``, and its launch or CPU call."""
     indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "token_to_req_indices": token_to_req_indices,
@@ -89,19 +97,19 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     if validation.check_mode(validate):
         validation.request_ids(token_to_req_indices, kind, num_tokens, table.shape[0],
                                is_valid_token=is_valid_token)
-
     results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
+
     if kind in arrays.GPU_KINDS:
-        plans = ()
-        if num_tokens:
-            plans = (families.GLOBAL_TOPK.plan(
-                device, geometry.warp_row_blocks(num_tokens), table=arrays.block_table_group(table),
-                topk_indices=topk.ptr, token_to_req=token_to_req.ptr, is_valid_token=valid.ptr,
-                out=indices.ptr, lens=lens.ptr, topk_stride=arrays.row_stride(topk),
-                out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
-                block_size=block_size, compact=int(compact)),)
-        return _GLOBAL_TOPK.launch(key, plans, kind, device, results, results)
-    else:
+        fields = dict(
+            table=arrays.block_table_group(table), topk_indices=topk.ptr,
+            token_to_req=token_to_req.ptr, is_valid_token=valid.ptr, out=indices.ptr,
+            lens=lens.ptr, topk_stride=arrays.row_stride(topk),
+            out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
+            block_size=block_size, compact=int(compact))
+        return CheckedCall(kind, device, results,
+                           geometry.warp_row_blocks(num_tokens) if num_tokens else 0, fields, None)
+
+    def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
         flat_topk, topk_stride = view_2d(topk_indices, kind)
         flat_table, table_stride = view_2d(block_table, kind)
@@ -111,7 +119,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
             view(token_to_req_indices, kind), view(is_valid_token, kind), flat_table,
             table_stride, np.int64(table.shape[0]), np.int64(table.shape[1]),
             np.int64(block_size), bool(compact), flat_out, out_stride, view(lens.array, kind))
-    return results
+    return CheckedCall(kind, device, results, 0, None, run_cpu)
 
 
 def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,

@@ -5,7 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
-from .prepared import PreparedOp
+from .prepared import CheckedCall, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, round_up
 
@@ -18,6 +18,7 @@ def combined_width(topk: int, window_size: int) -> int:
     return round_up(topk + window_size, COMBINED_WIDTH_ALIGNMENT)
 
 _PREPARED = PreparedOp("combine_topk_swa_indices")
+_C128A_ROWS = PreparedOp("build_c128a_combined_prefill_rows")
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
@@ -75,6 +76,60 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
                                         window_size, compress_ratio, topk, M, N, *out)
         if results is not None:
             return results
+    if topk_indices is None:
+        raise TypeError("topk_indices: expected an int32 array [T, >= topk], got None (C128A "
+                        "layers: build_c128a_combined_prefill_rows needs no input rows)")
+    return _PREPARED.run(key, families.COMBINE, check_combine(
+        topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk,
+        M, N, out, validate))
+
+
+def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens, gather_lens,
+                                      window_size: int, compress_ratio: int, topk: int, M: int,
+                                      N: int, *, out=None, validate: str = "default"):
+    """The combined prefill rows of every C128A layer of a step, built once.
+
+    Equal to ``combine_topk_swa_indices(local, query_start_loc, seq_lens,
+    gather_lens, window_size, compress_ratio, topk, M, N)`` where ``local`` are
+    the chunk tokens' C128A local prefill rows (``k`` for ``k < min((p + 1) //
+    compress_ratio, topk)``, -1 after: ``build_c128a_topk_metadata``'s prefill
+    rows, or ``fill_short_context_topk_indices``). Those rows are computed,
+    not read, and nothing here depends on the layer: one build per chunk
+    serves all of the step's C128A layers (20 in DeepSeek-V4-Flash), where
+    upstream combines once per layer (upstream.md §6, "Fusion").
+
+    Parameters
+    ----------
+    num_tokens : int
+        Rows: the chunk's tokens (``query_start_loc[-1] - query_start_loc[0]``,
+        known on the host), or more (padding rows get -1 and length 0).
+    query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N
+        As for ``combine_topk_swa_indices``; ``topk`` is the C128A width.
+    out : ``(indices, lens)``, optional
+        int32 ``[>= num_tokens, >= C]`` and ``[>= num_tokens]``.
+    validate : "default" or "full"
+        As for ``combine_topk_swa_indices``.
+
+    Returns
+    -------
+    ``(indices [num_tokens, C] int32, lens [num_tokens] int32)``, ``C = round_up(topk + W, 128)``.
+    """
+    key = None
+    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+        key, results = _C128A_ROWS.replay(num_tokens, query_start_loc, seq_lens, gather_lens,
+                                          window_size, compress_ratio, topk, M, N, *out)
+        if results is not None:
+            return results
+    return _C128A_ROWS.run(key, families.COMBINE, check_combine(
+        None, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N,
+        out, validate, num_tokens=num_tokens))
+
+
+def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                  compress_ratio, topk, M, N, out, validate, num_tokens=None) -> CheckedCall:
+    """The checks of ``combine_topk_swa_indices``, and its launch or CPU call.
+    ``topk_indices=None`` stands for C128A's local prefill rows (``x = k``) of
+    ``num_tokens`` tokens, which the kernel computes instead of reading."""
     indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
@@ -87,42 +142,46 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
                                maximum=MAX_BLOCK_SIZE)
     M = check_int("M", M, minimum=0, maximum=np.iinfo(np.int32).max)   # values are int32
     N = check_int("N", N, minimum=0, maximum=M)
-    arrays.check(topk_op, (INT32,), 2, min_cols=topk)
+    if topk_op is not None:
+        arrays.check(topk_op, (INT32,), 2, min_cols=topk)
+        num_tokens = topk_op.shape[0]
+    else:
+        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     arrays.check(qsl, (INT32,), 1, min_len=1)
     num_reqs = qsl.shape[0] - 1
     arrays.check(seq, (INT32,), 1, min_len=num_reqs)
     arrays.check(gather, (INT32,), 1, min_len=num_reqs)
-    num_tokens = topk_op.shape[0]
     width = combined_width(topk, window_size)
     indices = arrays.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
     lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
-    arrays.check_no_alias([indices, lens], [topk_op, qsl, seq, gather])
+    arrays.check_no_alias([indices, lens], [op for op in (topk_op, qsl, seq, gather) if op is not None])
     if validation.check_mode(validate):
         validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
                                   window_size, M, N)
-
     results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
+
     if kind in arrays.GPU_KINDS:
-        plans = ()
-        if num_tokens:
-            tiles, blocks = geometry.row_tiles(num_tokens, width, device)
-            plans = (families.COMBINE.plan(
-                device, blocks,
-                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
-                                                 num_reqs=num_reqs),
-                gather_lens=gather.ptr, topk_indices=topk_op.ptr, out=indices.ptr, lens=lens.ptr,
-                topk_stride=arrays.row_stride(topk_op),
-                out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
-                window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
-                swa_offset=N, tiles=tiles),)
-        return _PREPARED.launch(key, plans, kind, device, results, results)
-    else:
+        tiles, blocks = geometry.row_tiles(num_tokens, width, device)
+        fields = dict(
+            query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
+                                             num_reqs=num_reqs),
+            gather_lens=gather.ptr, topk_indices=0 if topk_op is None else topk_op.ptr, out=indices.ptr,
+            lens=lens.ptr, topk_stride=0 if topk_op is None else arrays.row_stride(topk_op),
+            out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
+            window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
+            swa_offset=N, tiles=tiles)
+        return CheckedCall(kind, device, results, blocks if num_tokens else 0, fields, None)
+
+    def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
-        flat_topk, topk_stride = view_2d(topk_indices, kind)
+        if topk_op is not None:
+            flat_topk, topk_stride = view_2d(topk_indices, kind)
+        else:                               # the rule rows: nothing to read
+            flat_topk, topk_stride = np.zeros(0, np.int32), np.int64(-1)
         flat_out, out_stride = view_2d(indices.array, kind)
         cpu.combine_topk_swa_indices(
             flat_topk, topk_stride, view(query_start_loc, kind), np.int64(num_reqs),
             view(seq_lens, kind), view(gather_lens, kind), np.int64(window_size),
             np.int64(compress_ratio), np.int64(topk), np.int64(M), np.int64(N),
             np.int64(num_tokens), np.int64(width), flat_out, out_stride, view(lens.array, kind))
-    return results
+    return CheckedCall(kind, device, results, 0, None, run_cpu)

@@ -252,7 +252,8 @@ def short_context_topk_indices(positions, num_tokens, top_k, compress_ratio, out
 def combine_topk_swa_indices(topk, topk_stride, qsl, num_reqs, seq_lens, gather_lens,
                              window_size, compress_ratio, topk_count, rows_per_request,
                              swa_offset, num_tokens, width, out, out_stride, lens):
-    """The hardened V4.1 combine (see kernels/combine.cu)."""
+    """The hardened V4.1 combine (see kernels/combine.cu); ``topk_stride < 0``:
+    C128A's local prefill rows, ``x = k``, are not read but computed."""
     base = np.int64(qsl[0])
     total = np.int64(qsl[num_reqs]) - base if num_reqs > 0 else 0
     for t in prange(num_tokens):
@@ -268,7 +269,7 @@ def combine_topk_swa_indices(topk, topk_stride, qsl, num_reqs, seq_lens, gather_
                 topk_len = max(min(_div_trunc(position + 1, compress_ratio), topk_count), 0)
             request_base = rows_per_request * b
             for k in range(topk_len):
-                x = np.int64(topk[t * topk_stride + k])
+                x = np.int64(k) if topk_stride < 0 else np.int64(topk[t * topk_stride + k])
                 out[row + k] = np.int32(x + request_base) if 0 <= x < swa_offset else -1
             gather_start = seq_len - gather_lens[b]
             swa_start = max(position - window_size + 1, 0, gather_start)

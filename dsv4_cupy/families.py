@@ -33,5 +33,7 @@ INDEXER_PREFILL = KernelFamily("indexer_prefill.cu", "indexer_prefill_chunk_meta
                                params.INDEXER_PREFILL)
 INDEXER_DECODE = KernelFamily("indexer_decode.cu", "indexer_decode_metadata",
                               params.INDEXER_DECODE)
+#: The fused per-layer family: the two above for one C4A layer in one launch.
+C4A_LAYER = KernelFamily("c4a_layer.cu", "c4a_layer_topk", params.C4A_LAYER)
 ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
-        INDEXER_DECODE)
+        INDEXER_DECODE, C4A_LAYER)

@@ -19,23 +19,26 @@ _CODES = {PTR: ("Q", "u8", 8), I64: ("q", "i8", 8), I32: ("i", "i4", 4)}
 
 
 class _Layout:
-    """Fields (name, PTR | I64 | I32 | Group), 8-byte ones first: no inner padding."""
+    """Fields (name, PTR | I64 | I32 | a nested layout), 8-byte ones first: no
+    inner padding. ``values(**fields)`` gives the values in C order, flattened,
+    for a field of a struct that nests this one."""
 
     def __init__(self, c_name: str, fields: list[tuple[str, object]]):
         self.c_name = c_name
         self.fields = tuple(fields)
         self.names = tuple(name for name, _ in fields)
-        sizes = [kind.size if isinstance(kind, Group) else _CODES[kind][2] for _, kind in fields]
+        sizes = [kind.size if isinstance(kind, _Layout) else _CODES[kind][2] for _, kind in fields]
         if sizes != sorted(sizes, key=lambda s: s < 8):
             raise ValueError(f"{c_name}: put 8-byte fields and groups before 4-byte ones")
-        self.format = "".join(kind.format if isinstance(kind, Group) else _CODES[kind][0]
+        self.format = "".join(kind.format if isinstance(kind, _Layout) else _CODES[kind][0]
                               for _, kind in fields)
         raw = sum(sizes)
         self.format += "x" * (-raw % 8)
-        self.dtype = np.dtype([(name, kind.dtype if isinstance(kind, Group) else _CODES[kind][1])
+        self.dtype = np.dtype([(name, kind.dtype if isinstance(kind, _Layout) else _CODES[kind][1])
                                for name, kind in fields], align=True)
         self.size = self.dtype.itemsize
         assert self.size == struct.calcsize("<" + self.format), c_name
+        self.values = self._function("values", f"return ({self._flat()},)", {})
 
     def offsets(self) -> list[tuple[str, int]]:
         return [(name, self.dtype.fields[name][1]) for name in self.names]
@@ -47,27 +50,21 @@ class _Layout:
         return namespace[name]
 
     def _flat(self) -> str:
-        return ", ".join(f"*{name}" if isinstance(kind, Group) else name
+        return ", ".join(f"*{name}" if isinstance(kind, _Layout) else name
                          for name, kind in self.fields)
 
 
 class Group(_Layout):
     """A nested struct shared by several kernels' parameters."""
 
-    def __init__(self, c_name: str, fields: list[tuple[str, str]]):
-        if any(isinstance(kind, Group) for _, kind in fields):
-            raise ValueError(f"{c_name}: groups do not nest")
-        super().__init__(c_name, fields)
-        # values(**fields) -> the group's values in C order, for a Params field.
-        self.values = self._function("values", f"return ({', '.join(self.names)},)", {})
-
 
 class Params(_Layout):
-    """One kernel family's parameter struct."""
+    """One kernel family's parameter struct; a fused family's struct nests those
+    of the families it fuses."""
 
     def __init__(self, c_name: str, fields: list[tuple[str, object]]):
         super().__init__(c_name, fields)
-        self.groups = tuple(kind for _, kind in fields if isinstance(kind, Group))
+        self.groups = tuple(kind for _, kind in fields if isinstance(kind, _Layout))
         self._struct = struct.Struct("<" + self.format)
         self.pack_into = self._function(
             "pack_into", f"_pack_into(buffer, 0, {self._flat()})",
@@ -142,5 +139,7 @@ INDEXER_DECODE = Params("IndexerDecodeParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("context_lens", PTR), ("req_ids", PTR),
     ("decode_lens", PTR), ("block_rows", PTR), ("block_rows_stride", I64), ("num_tokens", I64),
     ("context_lens_len", I64), ("ratio", I64)])
+C4A_LAYER = Params("C4ALayerParams", [
+    ("decode", GLOBAL_TOPK), ("prefill", COMBINE), ("decode_blocks", I64)])
 ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
-        INDEXER_DECODE)
+        INDEXER_DECODE, C4A_LAYER)

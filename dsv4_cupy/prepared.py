@@ -10,6 +10,8 @@ anything differs.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from . import arrays
 from .loader import LaunchPlan, PlanCache
 
@@ -44,6 +46,19 @@ class PreparedCall:
         return True
 
 
+class CheckedCall(NamedTuple):
+    """An op's arguments after its checks: what to return, and what to run for
+    it: a kernel's struct fields and blocks on the GPU (a fused family nests
+    them), a numba call on the CPU."""
+
+    kind: str
+    device: int
+    results: tuple
+    blocks: int                   # 0: nothing to launch
+    fields: dict | None           # the kernel struct's fields (GPU)
+    run_cpu: Callable | None      # the CPU kernel's call (CPU)
+
+
 class PreparedOp:
     """The prepared calls of one op, by ``arrays.launch_key`` of its arguments."""
 
@@ -62,6 +77,14 @@ class PreparedOp:
             return key, call.results
         return key, None
 
+    def run(self, key, family, call: CheckedCall):
+        """Run a checked call of ``family``, keeping its launch under ``key`` on the GPU."""
+        if call.kind not in arrays.GPU_KINDS:
+            call.run_cpu()
+            return call.results
+        plans = (family.plan(call.device, call.blocks, **call.fields),) if call.blocks else ()
+        return self.launch(key, plans, call.kind, call.device, call.results, call.results)
+
     def launch(self, key, plans: tuple[LaunchPlan, ...], kind: str, device: int, results,
                views: tuple):
         """Launch ``plans`` (checked arguments) and keep them under ``key``."""
@@ -73,4 +96,4 @@ class PreparedOp:
         return results
 
 
-__all__ = ["PreparedCall", "PreparedOp", "PlanCache"]
+__all__ = ["CheckedCall", "PreparedCall", "PreparedOp", "PlanCache"]

@@ -3,7 +3,9 @@
 // x + M * b (-1 unless 0 <= x < N, still counted), then the s_len window rows
 // M * b + N + (swa_start - g0) + i with g0 = L - gather_len and swa_start =
 // max(p - W + 1, 0, g0), then -1 to C columns. Tokens at or past the chunk's
-// total get an all -1 row and length 0. Row tiles: C4A rows (640 columns) and
+// total get an all -1 row and length 0. Without topk_indices (null) the
+// compressed entries are C128A's local prefill rows, x = k for k < k_len: the
+// rows need no input, and one build serves every C128A layer of a step. Row tiles: C4A rows (640 columns) and
 // SWA-only rows (128) are narrower than a block's work, C128A rows (8320) span
 // a few blocks; at 8192 tokens and C = 8320 this is a 272 MB write.
 #include "common.cuh"
@@ -16,7 +18,7 @@ struct CombineRow {
 
     __device__ __forceinline__ int value(int e) const {
         if (e < topk_len) {
-            const int x = topk_row[e];
+            const int x = topk_row != nullptr ? topk_row[e] : e;
             return x >= 0 && x < swa_offset ? (int)(unsigned)(x + request_base)
                                             : DSV4_PAD_SLOT_ID;
         }
@@ -26,12 +28,16 @@ struct CombineRow {
     __device__ __forceinline__ int length() const { return topk_len + swa_len; }
 };
 
-__device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p) {
+__device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
+                                                         const Blocks& blocks = whole_grid()) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 base = qsl[0];
     const i64 total = p.query.num_reqs > 0 ? (i64)qsl[p.query.num_reqs] - base : 0;
-    fill_row_tiles(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width, p.tiles, [&](i64 t) {
-        CombineRow row{p.topk_indices + t * p.topk_stride, 0, 0, p.swa_offset, 0, 0};
+    fill_row_tiles(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width, p.tiles, blocks,
+                   [&](i64 t) {
+        const int* topk_row = p.topk_indices != nullptr ? p.topk_indices + t * p.topk_stride
+                                                        : nullptr;
+        CombineRow row{topk_row, 0, 0, p.swa_offset, 0, 0};
         if (t < total) {
             const int b = request_of(qsl, p.query.num_reqs, base + t);
             const i64 qs = qsl[b], seq_len = p.query.seq_lens[b];

@@ -203,13 +203,21 @@ __device__ __forceinline__ int block_slot(int entry, int block_size, int within)
     return (int)((unsigned)entry * (unsigned)block_size + (unsigned)within);
 }
 
+// The blocks a device function works with: the whole grid, or a range of it
+// when several functions share one launch (the fused kernels) and each gets
+// its own blocks.
+struct Blocks {
+    i64 index, count;            // this block's place among the function's, and their number
+};
+__device__ __forceinline__ Blocks whole_grid() { return Blocks{blockIdx.x, gridDim.x}; }
+
 // One warp per row, grid-stride: this warp's first row, the row step, its lane.
 struct WarpRows {
     i64 first, step;
     int lane;
-    __device__ __forceinline__ WarpRows()
-        : first(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5),
-          step(((i64)gridDim.x * blockDim.x) >> 5), lane((int)(threadIdx.x & 31)) {}
+    __device__ __forceinline__ explicit WarpRows(const Blocks& blocks)
+        : first((blocks.index * DSV4_THREADS + threadIdx.x) >> 5),
+          step((blocks.count * DSV4_THREADS) >> 5), lane((int)(threadIdx.x & 31)) {}
 };
 
 // Row r of a row-tile kernel is row_at(r): `.value(e)` gives column e and
@@ -223,10 +231,11 @@ struct WarpRows {
 template <typename RowAt>
 __device__ __forceinline__ void fill_row_tiles(int* __restrict__ out, i64 out_stride,
                                                int* __restrict__ lens, i64 num_rows, int width,
-                                               const RowTiles& tiles, const RowAt& row_at) {
+                                               const RowTiles& tiles, const Blocks& blocks,
+                                               const RowAt& row_at) {
     const bool aligned = ((reinterpret_cast<unsigned long long>(out) |
                            (unsigned long long)out_stride * 4ull) & 15ull) == 0;
-    const i64 first = (i64)blockIdx.x * tiles.vectors_per_thread * DSV4_THREADS + threadIdx.x;
+    const i64 first = blocks.index * tiles.vectors_per_thread * DSV4_THREADS + threadIdx.x;
 #pragma unroll 4
     for (i64 j = 0; j < tiles.vectors_per_thread; ++j) {
         const i64 g = first + j * DSV4_THREADS;

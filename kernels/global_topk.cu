@@ -18,10 +18,11 @@ namespace dsv4 {
 constexpr int kSliceEntries = 4 * 32;   // a warp's entries per slice, 4 per lane
 constexpr int kGroupSlices = 4;         // slices whose loads are all in flight together
 
-__device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p) {
+__device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
+                                                             const Blocks& blocks = whole_grid()) {
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
-    const WarpRows rows;
+    const WarpRows rows(blocks);
     const int lane = rows.lane;
     const BlockDivisor bs((int)p.block_size);
     const bool aligned_in = ((reinterpret_cast<unsigned long long>(p.topk_indices) |

@@ -11,7 +11,7 @@ namespace dsv4 {
 __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParams& p) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 num_reqs = p.query.num_reqs, mapped = qsl[num_reqs];
-    const WarpRows rows;
+    const WarpRows rows(whole_grid());
     for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
         const bool real = num_reqs > 0 && t < mapped;
         const int b = real ? request_of(qsl, num_reqs, t) : 0;

@@ -186,3 +186,9 @@ struct IndexerDecodeParams {     // build_indexer_decode_metadata
     i64 context_lens_len;
     i64 ratio;
 };
+
+struct C4ALayerParams {          // c4a_layer_topk: one launch per C4A layer
+    GlobalTopkParams decode;     // the layer's top-k rows of the decode tokens
+    CombineParams prefill;       // the layer's top-k rows of the chunk's prefill tokens
+    i64 decode_blocks;           // blocks [0, decode_blocks) convert decode rows, the rest combine
+};

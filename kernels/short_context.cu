@@ -15,7 +15,7 @@ template <typename PosT>
 __device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p) {
     const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
     fill_row_tiles(p.out, p.out_stride, nullptr, p.num_tokens, (int)p.top_k, p.tiles,
-                   [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
+                   whole_grid(), [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
                                                                     p.top_k)}; });
 }
 

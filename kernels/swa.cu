@@ -32,7 +32,7 @@ __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 requests = min(p.query.num_reqs, p.table.rows);
     fill_row_tiles(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size, p.tiles,
-                   [&](i64 i) {
+                   whole_grid(), [&](i64 i) {
         SwaRow row{nullptr, 0, 0, 0, BlockDivisor((int)p.block_size)};
         const i64 t = i + p.token_offset;
         const bool valid = is_valid[t] != 0;

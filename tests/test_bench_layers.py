@@ -14,6 +14,7 @@ SMALL = {"swa": [dict(decodes=6, query_len=2), dict(decodes=0, prefill=40)],
          "global_topk": [dict(tokens=5, width=300)], "short_fill": [dict(tokens=7, top_k=64)],
          "combine": [dict(tokens=20, topk=layers.C128A_WIDTH), dict(tokens=20, topk=64),
                      dict(tokens=20, topk=0)],
+         "c4a_layer": [dict(decodes=4, prefill=30)], "c128a_combined": [dict(tokens=20, topk=256)],
          "gather_lens": [dict(prefills=5)], "indexer_prefill": [dict(tokens=30)],
          "indexer_decode": [dict(tokens=9)]}
 

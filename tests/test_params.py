@@ -29,7 +29,7 @@ def test_python_layout_matches_the_c_struct_field_by_field(layout):
     c_fields = c_structs()[layout.c_name]
     assert [name for name, _ in c_fields] == list(layout.names)
     for (name, ctype), (_, kind) in zip(c_fields, layout.fields):
-        if isinstance(kind, params.Group):
+        if isinstance(kind, (params.Group, params.Params)):
             assert ctype == kind.c_name, f"{layout.c_name}.{name}: {ctype} is not {kind.c_name}"
         else:
             assert ctype in C_TYPES[kind], f"{layout.c_name}.{name}: {ctype} is not {kind}"
@@ -74,8 +74,16 @@ def test_a_group_of_the_wrong_size_or_a_value_too_large_is_refused():
 def test_layouts_put_8_byte_fields_first():
     with pytest.raises(ValueError, match="8-byte fields"):
         params.Params("Bad", [("a", params.I32), ("b", params.PTR)])
-    with pytest.raises(ValueError, match="do not nest"):
-        params.Group("Bad", [("inner", params.QUERY_LAYOUT)])
+
+
+
+def test_a_nested_struct_packs_as_its_fields_in_place():
+    outer = params.Params("Outer", [("inner", params.TOKEN_MAP), ("tail", params.I64)])
+    inner = params.TOKEN_MAP.values(query=params.QUERY_LAYOUT.values(
+        query_start_loc=16, seq_lens=32, num_reqs=3), out=48, num_tokens=7)
+    assert inner == (16, 32, 3, 48, 7)
+    packed = outer.pack(inner=inner, tail=9)
+    assert bytes(packed) == struct.pack("<QQqQqq", 16, 32, 3, 48, 7, 9)
 
 
 @pytest.mark.parametrize("family", families.ALL, ids=lambda f: f.function)

@@ -38,6 +38,9 @@ def layer_cases(quick: bool) -> list[tuple[str, str, dict]]:
              ("combine", "C128A 8192 C=8320", dict(tokens=8192, topk=C128A_WIDTH)),
              ("combine", "C4A 8192 C=640", dict(tokens=8192, topk=INDEX_TOPK)),
              ("combine", "SWA-only 8192 C=128", dict(tokens=8192, topk=0)),
+             ("c4a_layer", "64 dec + 8192 pf K=512", dict(decodes=64, prefill=8192)),
+             ("c4a_layer", "256 dec + 2048 pf", dict(decodes=256, prefill=2048)),
+             ("c128a_combined", "8192 C=8320", dict(tokens=8192, topk=C128A_WIDTH)),
              ("gather_lens", "256 prefills", dict(prefills=256)),
              ("indexer_prefill", "8192 queries", dict(tokens=8192)),
              ("indexer_decode", "512 tokens", dict(tokens=512))]
@@ -116,6 +119,54 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
         return (lambda: d4.combine_topk_swa_indices(*args, out=ours_out),
                 ports and (lambda: ports.combine_topk_swa_indices(*port_out, *args)),
                 ours_out, port_out, tokens * (width + 1) * 4 / 1e6)
+    if op == "c4a_layer":           # decode rows to global + prefill rows combined, one layer
+        decodes, prefill = params["decodes"], params["prefill"]
+        qsl, seq, token_to_req, positions = _requests(rng, [1] * decodes + [prefill])
+        tokens = int(qsl[-1])
+        visible = np.maximum((positions + 1) // C4A_RATIO, 1)
+        topk = (rng.random((tokens, INDEX_TOPK)) * visible[:, None]).astype(np.int32)
+        table = rng.integers(0, 1 << 22, (decodes + 1, MAX_MODEL_LEN // 256), dtype=np.int32)
+        chunk_qsl, chunk_seq = qsl[decodes:], seq[decodes:]
+        gather = d4.compute_prefill_gather_lens(qsl, seq, decodes, 1, WINDOW)
+        N = int(chunk_seq.max()) // C4A_RATIO
+        M = N + int(gather.max())
+        topk, t2r, table, valid = (cuda(topk), cuda(token_to_req), cuda(table),
+                                   torch.ones(tokens, dtype=torch.bool, device=dev))
+        chunk_qsl, chunk_seq, gather = cuda(chunk_qsl), cuda(chunk_seq), cuda(gather)
+        width = d4.combine.combined_width(INDEX_TOPK, WINDOW)
+        prefill_rows = tokens - decodes
+        ours_out = ((empty(decodes, INDEX_TOPK), empty(decodes)),
+                    (empty(prefill_rows, width), empty(prefill_rows)))
+        port_out = (empty(decodes, INDEX_TOPK), empty(decodes), empty(prefill_rows, width),
+                    empty(prefill_rows))
+
+        def port_layer():
+            ports.global_topk_indices_and_lens(port_out[0], port_out[1], topk[:decodes], t2r,
+                                               table, C4A_BLOCK, valid)
+            ports.combine_topk_swa_indices(port_out[2], port_out[3], topk[decodes:], chunk_qsl,
+                                           chunk_seq, gather, WINDOW, C4A_RATIO, INDEX_TOPK, M, N)
+        return (lambda: d4.c4a_layer_topk(topk, decodes, t2r, table, C4A_BLOCK, valid, chunk_qsl,
+                                          chunk_seq, gather, WINDOW, C4A_RATIO, M, N,
+                                          out=ours_out),
+                ports and port_layer, (*ours_out[0], *ours_out[1]), port_out,
+                (decodes * (INDEX_TOPK + 1) + prefill_rows * (width + 1)) * 4 / 1e6)
+    if op == "c128a_combined":      # C128A combined prefill rows: built once, no input rows
+        tokens, topk = params["tokens"], params["topk"]
+        qsl, seq, _, positions = _requests(rng, [tokens])
+        local = d4.fill_short_context_topk_indices(cuda(positions), topk, C128A_RATIO)
+        gather = d4.compute_prefill_gather_lens(qsl, seq, 0, 1, WINDOW)
+        N = int(seq.max()) // C128A_RATIO
+        M = N + int(gather.max())
+        qsl, seq, gather = cuda(qsl), cuda(seq), cuda(gather)
+        width = d4.combine.combined_width(topk, WINDOW)
+        ours_out, port_out = (empty(tokens, width), empty(tokens)), (empty(tokens, width),
+                                                                     empty(tokens))
+        return (lambda: d4.build_c128a_combined_prefill_rows(tokens, qsl, seq, gather, WINDOW,
+                                                             C128A_RATIO, topk, M, N,
+                                                             out=ours_out),
+                ports and (lambda: ports.combine_topk_swa_indices(
+                    *port_out, local, qsl, seq, gather, WINDOW, C128A_RATIO, topk, M, N)),
+                ours_out, port_out, tokens * (width + 1) * 4 / 1e6)
     if op == "gather_lens":
         prefills = params["prefills"]
         qsl, seq, _, _ = (cuda(x) for x in _requests(rng, [64] * prefills))
@@ -174,6 +225,21 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: f
     return rows
 
 
+def combined_rows_per_step(tokens: int = 8192, c128a_layers: int = 20,
+                           swa_only_layers: int = 2) -> dict:
+    """Bytes of combined prefill rows (indices and lengths) one step writes at
+    ``tokens`` prefill tokens and a 1M context (C128A width 8192), from the
+    shapes: upstream combines once per layer, this library once per step for
+    the C128A layers and once for the SWA-only layers."""
+    import dsv4_cupy as d4
+    row_bytes = {ratio: tokens * (d4.combine.combined_width(topk, WINDOW) + 1) * 4
+                 for ratio, topk in ((C128A_RATIO, C128A_WIDTH), (0, 0))}
+    upstream = c128a_layers * row_bytes[C128A_RATIO] + swa_only_layers * row_bytes[0]
+    ours = row_bytes[C128A_RATIO] + row_bytes[0]
+    return {"tokens": tokens, "c128a_layers": c128a_layers, "swa_only_layers": swa_only_layers,
+            "upstream_bytes": upstream, "ours_bytes": ours, "saved_pct": 100 * (1 - ours / upstream)}
+
+
 def print_layer_rows(rows: list[dict]) -> None:
     layer = [r for r in rows if "ours_layer_graph_us" in r]
     if not layer:
@@ -190,3 +256,8 @@ def print_layer_rows(rows: list[dict]) -> None:
         print(f"{r['op']:15} {r['case']:20} {r['ours_layer_graph_us']:13.2f} {triton} "
               f"{r['ours_layer_host_us']:12.1f} {r['host_x_floor']:7.2f} {triton_host} "
               f"{r['MB']:7.2f} {r['ours_layer_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")
+    step = combined_rows_per_step()
+    print(f"\ncombined prefill rows per step, {step['tokens']} prefill tokens, 1M context, "
+          f"{step['c128a_layers']} C128A + {step['swa_only_layers']} SWA-only layers: upstream "
+          f"{step['upstream_bytes'] / 1e9:.2f} GB (once per layer), dsv4_cupy "
+          f"{step['ours_bytes'] / 1e9:.3f} GB (once per step): {step['saved_pct']:.1f}% less")

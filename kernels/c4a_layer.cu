@@ -1,0 +1,20 @@
+// c4a_layer_topk: one launch per C4A layer for both uses of the layer's
+// indexer top-k. The first decode_blocks blocks turn the decode rows into
+// global slots (compute_global_topk_indices_and_lens, in place or not), the
+// others combine the chunk's prefill rows with their sliding windows
+// (combine_topk_swa_indices): the two families' device functions, each on its
+// own range of the grid. The two parts touch disjoint rows.
+#include "global_topk.cu"
+#include "combine.cu"
+
+namespace dsv4 {
+__device__ __forceinline__ void c4a_layer_topk(const C4ALayerParams& p) {
+    const i64 block = blockIdx.x;
+    if (block < p.decode_blocks)
+        global_topk_indices_and_lens(p.decode, Blocks{block, p.decode_blocks});
+    else
+        combine_topk_swa_indices(p.prefill,
+                                 Blocks{block - p.decode_blocks, gridDim.x - p.decode_blocks});
+}
+
+}  // namespace dsv4
