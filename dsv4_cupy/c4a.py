@@ -107,7 +107,7 @@ def check_global_topk(topk_indices, token_to_req_indices, block_table, block_siz
             out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
             block_size=block_size, compact=int(compact))
         return CheckedCall(kind, device, results,
-                           geometry.warp_row_blocks(num_tokens) if num_tokens else 0, fields, None)
+                           geometry.row_blocks(num_tokens), fields, None)
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d

@@ -12,13 +12,13 @@ MAX_GRID_STRIDE_BLOCKS = 1 << 20
 ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
 
 
-#: Threads of a warp: kernels with one warp per row get WARP_LANES threads a row.
+#: Threads of a warp: kernels with one warp per row give each row WARP_LANES threads.
 WARP_LANES = 32
 
 
-def warp_row_blocks(num_rows: int) -> int:
-    """Blocks of THREADS for a grid-stride loop giving each of num_rows rows a warp."""
-    return elementwise_blocks(num_rows * WARP_LANES)
+def row_blocks(num_rows: int) -> int:
+    """Blocks of a grid-stride loop giving each row a block (0 for no rows)."""
+    return min(num_rows, MAX_GRID_STRIDE_BLOCKS)
 
 
 def elementwise_blocks(n: int) -> int:
