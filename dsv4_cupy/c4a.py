@@ -172,12 +172,10 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     if kind in arrays.GPU_KINDS:
         plans = ()
         if num_tokens:
-            tiles, blocks = geometry.row_tiles(num_tokens, top_k, device)
             plans = (families.SHORT_CONTEXT.plan(
-                device, blocks, (positions_dtype,),
+                device, geometry.warp_row_blocks(num_tokens), (positions_dtype,),
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),
-                top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens,
-                tiles=tiles),)
+                top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens),)
         return _SHORT_CONTEXT.launch(key, plans, kind, device, result, (result,))
     else:
         flat_rows, rows_stride = arrays.kernel_view_2d(rows.array, kind)

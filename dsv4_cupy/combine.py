@@ -161,7 +161,6 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
 
     if kind in arrays.GPU_KINDS:
-        tiles, blocks = geometry.row_tiles(num_tokens, width, device)
         fields = dict(
             query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                              num_reqs=num_reqs),
@@ -169,8 +168,9 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
             lens=lens.ptr, topk_stride=0 if topk_op is None else arrays.row_stride(topk_op),
             out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
             window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
-            swa_offset=N, tiles=tiles)
-        return CheckedCall(kind, device, results, blocks if num_tokens else 0, fields, None)
+            swa_offset=N)
+        return CheckedCall(kind, device, results,
+                           geometry.warp_row_blocks(num_tokens) if num_tokens else 0, fields, None)
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d

@@ -16,6 +16,11 @@ ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
 WARP_LANES = 32
 
 
+def warp_row_blocks(num_rows: int) -> int:
+    """Blocks of THREADS for a grid-stride loop giving each of num_rows rows a warp."""
+    return elementwise_blocks(num_rows * WARP_LANES)
+
+
 def row_blocks(num_rows: int) -> int:
     """Blocks of a grid-stride loop giving each row a block (0 for no rows)."""
     return min(num_rows, MAX_GRID_STRIDE_BLOCKS)
@@ -45,24 +50,6 @@ def row_geometry(num_rows: int, width: int, device: int) -> tuple[int, int]:
         if num_rows * cdiv(width, per_block) <= limit:
             return per_block, cdiv(width, per_block)
     return ROW_PIECE_SIZES[-1], cdiv(width, ROW_PIECE_SIZES[-1])
-
-
-#: Vectors a thread stores when a grid of one vector per thread would exceed
-#: RESIDENT_BLOCKS_PER_SM full blocks per SM: four 16-byte stores in flight.
-VECTORS_PER_THREAD = 4
-RESIDENT_BLOCKS_PER_SM = 8       # 2048 threads per SM on sm_90 and sm_100
-
-
-def row_tiles(num_rows: int, width: int, device: int) -> tuple[tuple[int, int], int]:
-    """``((vectors_per_row, vectors_per_thread), blocks)`` of a row-tile kernel:
-    the rows as one flat run of 4-column vectors, one vector per thread while
-    the grid fits on the GPU at once (latency: each thread has one dependent
-    chain of loads), four when it does not (throughput)."""
-    vectors_per_row = max(cdiv(width, 4), 1)
-    vectors = num_rows * vectors_per_row
-    per_thread = 1 if vectors <= THREADS * RESIDENT_BLOCKS_PER_SM * sm_count(device) \
-        else VECTORS_PER_THREAD
-    return (vectors_per_row, per_thread), cdiv(vectors, THREADS * per_thread)
 
 
 def row_chunks(num_rows: int, width: int, device: int) -> tuple:

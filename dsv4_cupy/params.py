@@ -89,8 +89,7 @@ C128A_ROWS = Group("C128ARows", [
     ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("decode_stride", I64),
     ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64)])
 ROW_CHUNKS = Group("RowChunks", [("cols_per_block", I64), ("chunks", I64), ("row_blocks", I64)])
-ROW_TILES = Group("RowTiles", [("vectors_per_row", I64), ("vectors_per_thread", I64)])
-GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY, C128A_ROWS, ROW_CHUNKS, ROW_TILES)
+GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY, C128A_ROWS, ROW_CHUNKS)
 
 # --- one struct per kernel family ---------------------------------------------------------
 TOKEN_MAP = Params("TokenMapParams", [
@@ -113,8 +112,7 @@ ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)
 SWA = Params("SwaParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("token_to_req", PTR),
     ("is_valid_token", PTR), ("indices", PTR), ("lens", PTR), ("indices_stride", I64),
-    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64),
-    ("tiles", ROW_TILES)])
+    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64)])
 GLOBAL_TOPK = Params("GlobalTopkParams", [
     ("table", BLOCK_TABLE), ("topk_indices", PTR), ("token_to_req", PTR),
     ("is_valid_token", PTR), ("out", PTR), ("lens", PTR), ("topk_stride", I64),
@@ -122,12 +120,12 @@ GLOBAL_TOPK = Params("GlobalTopkParams", [
     ("compact", I64)])
 SHORT_CONTEXT = Params("ShortContextParams", [
     ("positions", PTR), ("out", PTR), ("out_stride", I64), ("top_k", I64), ("ratio", I64),
-    ("num_tokens", I64), ("tiles", ROW_TILES)])
+    ("num_tokens", I64)])
 COMBINE = Params("CombineParams", [
     ("query", QUERY_LAYOUT), ("gather_lens", PTR), ("topk_indices", PTR), ("out", PTR),
     ("lens", PTR), ("topk_stride", I64), ("out_stride", I64), ("width", I64),
     ("num_tokens", I64), ("window_size", I64), ("ratio", I64), ("topk", I64),
-    ("rows_per_request", I64), ("swa_offset", I64), ("tiles", ROW_TILES)])
+    ("rows_per_request", I64), ("swa_offset", I64)])
 PREFILL_GATHER = Params("PrefillGatherParams", [
     ("query", QUERY_LAYOUT), ("out", PTR), ("num_decodes", I64), ("num_prefills", I64),
     ("window_size", I64)])

@@ -101,16 +101,14 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     if kind in arrays.GPU_KINDS:
         plans = ()
         if num_rows:
-            tiles, blocks = geometry.row_tiles(num_rows, window_size, device)
             plans = (families.SWA.plan(
-                device, blocks,
+                device, geometry.warp_row_blocks(num_rows),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 table=arrays.block_table_group(table), token_to_req=token_to_req.ptr,
                 is_valid_token=valid.ptr, indices=indices.ptr, lens=lens.ptr,
                 indices_stride=arrays.row_stride(indices), window_size=window_size,
-                block_size=block_size, token_offset=token_offset, num_rows=num_rows,
-                tiles=tiles),)
+                block_size=block_size, token_offset=token_offset, num_rows=num_rows),)
         return _PREPARED.launch(key, plans, kind, device, results, results)
     else:
         view = arrays.kernel_view

@@ -5,9 +5,9 @@
 // max(p - W + 1, 0, g0), then -1 to C columns. Tokens at or past the chunk's
 // total get an all -1 row and length 0. Without topk_indices (null) the
 // compressed entries are C128A's local prefill rows, x = k for k < k_len: the
-// rows need no input, and one build serves every C128A layer of a step. Row tiles: C4A rows (640 columns) and
-// SWA-only rows (128) are narrower than a block's work, C128A rows (8320) span
-// a few blocks; at 8192 tokens and C = 8320 this is a 272 MB write.
+// rows need no input, and one build serves every C128A layer of a step. A
+// warp per row (fill_warp_rows); at 8192 tokens and C = 8320 this is a 272 MB
+// write.
 #include "common.cuh"
 
 namespace dsv4 {
@@ -33,7 +33,7 @@ __device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 base = qsl[0];
     const i64 total = p.query.num_reqs > 0 ? (i64)qsl[p.query.num_reqs] - base : 0;
-    fill_row_tiles(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width, p.tiles, blocks,
+    fill_warp_rows(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width, blocks,
                    [&](i64 t) {
         const int* topk_row = p.topk_indices != nullptr ? p.topk_indices + t * p.topk_stride
                                                         : nullptr;

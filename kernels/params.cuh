@@ -45,10 +45,6 @@ struct RowChunks {               // long rows split over several blocks
     i64 row_blocks;              // blocks given to rows (rows * chunks)
 };
 
-struct RowTiles {                // rows of any width as one flat run of 4-column vectors
-    i64 vectors_per_row;         // cdiv(width, 4), at least 1 (a width-0 row still has a length)
-    i64 vectors_per_thread;      // consecutive tiles of DSV4_THREADS vectors per block
-};
 
 // --- one struct per kernel family -------------------------------------------------------------
 struct TokenMapParams {
@@ -108,7 +104,6 @@ struct SwaParams {               // compute_swa_indices_and_lens
     i64 block_size;              // SWA cache rows per block (64)
     i64 token_offset;            // row i is token i + token_offset
     i64 num_rows;
-    RowTiles tiles;              // window_size columns per row
 };
 
 struct GlobalTopkParams {        // compute_global_topk_indices_and_lens
@@ -133,7 +128,6 @@ struct ShortContextParams {      // fill_short_context_topk_indices
     i64 top_k;
     i64 ratio;
     i64 num_tokens;
-    RowTiles tiles;              // top_k columns per row
 };
 
 struct CombineParams {           // combine_topk_swa_indices
@@ -151,7 +145,6 @@ struct CombineParams {           // combine_topk_swa_indices
     i64 topk;
     i64 rows_per_request;        // M: workspace rows per request
     i64 swa_offset;              // N: workspace row of a request's first SWA token
-    RowTiles tiles;              // width columns per row
 };
 
 struct PrefillGatherParams {     // compute_prefill_gather_lens

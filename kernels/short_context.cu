@@ -1,7 +1,6 @@
 // fill_short_context_topk_indices: row t holds k for k < n = (positions[t] + 1)
 // / ratio (truncating, clamped to [0, top_k]) and -1 after, over top_k columns:
-// the C128A prefill row rule at another ratio and width. Row tiles: rows of
-// 512 columns are narrower than a block's work.
+// the C128A prefill row rule at another ratio and width. A warp per row.
 #include "common.cuh"
 
 namespace dsv4 {
@@ -14,7 +13,7 @@ struct ShortContextRow {
 template <typename PosT>
 __device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p) {
     const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
-    fill_row_tiles(p.out, p.out_stride, nullptr, p.num_tokens, (int)p.top_k, p.tiles,
+    fill_warp_rows(p.out, p.out_stride, nullptr, p.num_tokens, (int)p.top_k,
                    whole_grid(), [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
                                                                     p.top_k)}; });
 }

@@ -3,8 +3,8 @@
 // .. p (block_table[b][pos / bs] * bs + pos % bs), then -1. One rule for what
 // cannot be addressed: an invalid token, a request outside the table (or
 // seq_lens) or a negative position gets an all -1 row and length 0; window
-// positions past the table row's blocks are -1 and not counted. Row tiles
-// (W = 128 is 32 vectors), and the request's layout is read from a clamped
+// positions past the table row's blocks are -1 and not counted. A warp per
+// row (W = 128 is a vector per lane), and the request's layout is read from a clamped
 // request before the validity is known, so the loads of a row form a chain of
 // three (request, layout, block table), as in upstream's kernel.
 #include "common.cuh"
@@ -31,7 +31,7 @@ __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
         static_cast<const unsigned char*>(p.is_valid_token);
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 requests = min(p.query.num_reqs, p.table.rows);
-    fill_row_tiles(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size, p.tiles,
+    fill_warp_rows(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size,
                    whole_grid(), [&](i64 i) {
         SwaRow row{nullptr, 0, 0, 0, BlockDivisor((int)p.block_size)};
         const i64 t = i + p.token_offset;
