@@ -8,7 +8,7 @@ import numpy as np
 from . import arrays, cpu, families, geometry, validation
 from .arrays import BOOL, INT32
 from .families import POSITIONS_AXIS
-from .prepared import CheckedCall, PreparedOp
+from .prepared import CheckedCall, PreparedOp, buffers_given
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -57,7 +57,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     request is outside the table, gets an all -1 row and length 0.
     """
     key = None
-    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+    if validate == "default" and buffers_given(out):
         # A bool is keyed apart from the ints (True == 1), which the checks refuse.
         key, results = _GLOBAL_TOPK.replay(topk_indices, token_to_req_indices, block_table,
                                            block_size, is_valid_token, ("compact", compact)

@@ -5,7 +5,7 @@ from . import arrays, families, params
 from .arrays import INT32
 from .c4a import check_global_topk
 from .combine import check_combine
-from .prepared import PreparedOp
+from .prepared import PreparedOp, buffers_given
 from .scalars import check_int
 
 _PREPARED = PreparedOp("c4a_layer_topk")
@@ -53,7 +53,7 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
     """
     key = None
     if (validate == "default" and type(out) in (tuple, list) and len(out) == 2
-            and all(type(part) in (tuple, list) and len(part) == 2 for part in out)):
+            and all(buffers_given(part) for part in out)):
         key, results = _PREPARED.replay(
             topk_indices, num_decode_tokens, token_to_req_indices, block_table, block_size,
             is_valid_token, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,

@@ -5,7 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
-from .prepared import CheckedCall, PreparedOp
+from .prepared import CheckedCall, PreparedOp, buffers_given
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, round_up
 
@@ -71,7 +71,7 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ``lens = k_len + s_len``. Values are int32 (wrapping).
     """
     key = None
-    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+    if validate == "default" and buffers_given(out):
         key, results = _PREPARED.replay(topk_indices, query_start_loc, seq_lens, gather_lens,
                                         window_size, compress_ratio, topk, M, N, *out)
         if results is not None:
@@ -115,7 +115,7 @@ def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens
     ``(indices [num_tokens, C] int32, lens [num_tokens] int32)``, ``C = round_up(topk + W, 128)``.
     """
     key = None
-    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+    if validate == "default" and buffers_given(out):
         key, results = _C128A_ROWS.replay(num_tokens, query_start_loc, seq_lens, gather_lens,
                                           window_size, compress_ratio, topk, M, N, *out)
         if results is not None:

@@ -176,6 +176,7 @@ def _load(family: KernelFamily):
 
 _MODULES: dict = {}      # (context key, family) -> Module
 _FUNCTIONS: dict = {}    # (context key, entry) -> Function
+_LOADING = threading.RLock()     # loads and forgets of the two caches, one thread at a time
 #: Driver errors that mean a handle belongs to a context that is gone.
 _STALE_HANDLE_ERRORS = (201, 400, 709)   # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
 
@@ -205,12 +206,9 @@ def _cu_ctx_get_id():
     return function
 
 
-class ContextId:
+class ContextId(threading.local):
     """Reads a live context's id (0 where the driver cannot say) into storage
-    of its own; callers sharing one read the same context, so concurrent reads
-    write the same value."""
-
-    __slots__ = ("_read", "_value", "_address")
+    of the calling thread's own (ctypes releases the GIL during the call)."""
 
     def __init__(self):
         self._read = _cu_ctx_get_id()
@@ -223,9 +221,12 @@ class ContextId:
         return int(self._value[0])
 
 
+_READ_ID = ContextId()
+
+
 def context_key(context: int) -> tuple[int, int]:
     """(handle, id) of the live context ``context``: what loaded handles belong to."""
-    return context, ContextId()(context)
+    return context, _READ_ID(context)
 
 
 def get(family: KernelFamily, entry: str, context: tuple | None = None):
@@ -234,23 +235,29 @@ def get(family: KernelFamily, entry: str, context: tuple | None = None):
     context = context_key(_context()) if context is None else context
     key = (context, entry)
     function = _FUNCTIONS.get(key)
-    if function is None:
-        module = _MODULES.get((context, family))
-        if module is None:
-            for replaced in {k[0] for k in _MODULES if k[0][0] == context[0] and k[0] != context}:
-                forget_context(replaced)        # the same handle, an older (reset) context
-            module = _MODULES[(context, family)] = _load(family)
-        function = _FUNCTIONS[key] = module.get_function(entry)
-    return function
+    if function is not None:
+        return function
+    with _LOADING:
+        function = _FUNCTIONS.get(key)
+        if function is None:
+            module = _MODULES.get((context, family))
+            if module is None:
+                for replaced in {k[0] for k in _MODULES
+                                 if k[0][0] == context[0] and k[0] != context}:
+                    forget_context(replaced)    # the same handle, an older (reset) context
+                module = _MODULES[(context, family)] = _load(family)
+            function = _FUNCTIONS[key] = module.get_function(entry)
+        return function
 
 
 def forget_context(context: tuple) -> None:
     """Drop every module and function loaded into ``context`` (gone or reset). Its
     modules died with it, so they are not unloaded again (an invalid handle)."""
-    for key in [key for key in _FUNCTIONS if key[0] == context]:
-        del _FUNCTIONS[key]
-    for key in [key for key in _MODULES if key[0] == context]:
-        _MODULES.pop(key).ptr = 0
+    with _LOADING:
+        for key in [key for key in _FUNCTIONS if key[0] == context]:
+            del _FUNCTIONS[key]
+        for key in [key for key in _MODULES if key[0] == context]:
+            _MODULES.pop(key).ptr = 0
 
 
 def compile_for(family: KernelFamily, arch: str) -> bytes:
@@ -311,7 +318,7 @@ class LaunchPlan:
     """
 
     __slots__ = ("function", "device", "context", "context_id", "blocks", "storage",
-                 "pointers", "kernel_params", "_read_id", "_cuda")
+                 "pointers", "kernel_params", "_read_id", "_cuda", "_kernel")
 
     def __init__(self, family: KernelFamily, entry: str, device: int, blocks: int,
                  fields: dict):
@@ -321,11 +328,13 @@ class LaunchPlan:
         self.pointers = np.array([self.storage.ctypes.data], np.uint64)  # void* kernelParams[1]
         self.kernel_params = self.pointers.ctypes.data
         self.device, self.blocks = device, blocks
-        self._read_id = ContextId()
+        self._read_id = _READ_ID
         with self._cuda.Device(device):
             self.context = _context()
             self.context_id = self._read_id(self.context)
-            self.function = get(family, entry, (self.context, self.context_id)).ptr
+            # The Function object keeps its module loaded for as long as the plan lives.
+            self._kernel = get(family, entry, (self.context, self.context_id))
+            self.function = self._kernel.ptr
 
     def run(self, stream: int) -> bool:
         cuda = self._cuda
@@ -363,7 +372,7 @@ class PlanCache:
 
     def put(self, key, plan) -> None:
         if len(self._plans) >= self.capacity:
-            del self._plans[next(iter(self._plans))]
+            self._plans.pop(next(iter(self._plans)), None)   # another thread may have too
         self._plans[key] = plan
 
     def clear(self) -> None:

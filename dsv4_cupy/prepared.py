@@ -46,6 +46,14 @@ class PreparedCall:
         return True
 
 
+def buffers_given(out, count: int = 2) -> bool:
+    """``out`` is a tuple or list of ``count`` buffers, none of them None: only
+    then is a call prepared (a result allocated by the op must not be written
+    again by a later call)."""
+    return (type(out) in (tuple, list) and len(out) == count
+            and all(buffer is not None for buffer in out))
+
+
 class CheckedCall(NamedTuple):
     """An op's arguments after its checks: what to return, and what to run for
     it: a kernel's struct fields and blocks on the GPU (a fused family nests
@@ -96,4 +104,4 @@ class PreparedOp:
         return results
 
 
-__all__ = ["CheckedCall", "PreparedCall", "PreparedOp", "PlanCache"]
+__all__ = ["CheckedCall", "PreparedCall", "PreparedOp", "PlanCache", "buffers_given"]

@@ -5,7 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import BOOL, INT32
-from .prepared import PreparedOp
+from .prepared import PreparedOp, buffers_given
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -62,7 +62,7 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     -1 and not counted.
     """
     key = None
-    if validate == "default" and type(out) in (tuple, list) and len(out) == 2:
+    if validate == "default" and buffers_given(out):
         key, results = _PREPARED.replay(window_size, query_start_loc, seq_lens,
                                         token_to_req_indices, is_valid_token, block_table,
                                         block_size, token_offset, num_rows, *out)

@@ -79,11 +79,13 @@ __device__ __forceinline__ i64 compressed_slot_at(const QueryLayout& q, const Bl
 
 // Visible compressed rows of a query at `position`, clamped to [0, width].
 // Division truncates toward zero, as the seed's Triton kernel does (a
-// numerator <= 0 gives 0 either way).
+// numerator <= 0 gives 0 either way). position + 1 wraps as the CPU path's
+// int64 does (a garbage INT64_MAX position): unsigned, so the compiler may not
+// assume it does not.
 template <typename PosT>
 __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, i64 width) {
-    const i64 numerator = (i64)position + 1;
-    return numerator <= 0 ? 0 : (int)min(quotient(numerator, ratio), width);
+    const i64 numerator = (i64)((unsigned long long)(i64)position + 1ull);
+    return numerator <= 0 ? 0 : (int)clamp_i64(quotient(numerator, ratio), 0, width);
 }
 
 // Division by the storage block size: a shift for powers of two (2 for C128A).

@@ -192,3 +192,15 @@ def test_short_context_bad_input_and_full_validation():
     with pytest.raises(ValueError, match="token_to_req_indices: expected request ids in"):
         d4.compute_global_topk_indices_and_lens(**topk_args(
             token_to_req_indices=np.array([0, 1], I32), validate="full"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_garbage_int64_position_gives_the_cpu_rows(kind):
+    """position + 1 wraps (INT64_MAX): every kind gives the CPU path's row, at a
+    ratio that is not a power of two too."""
+    positions = np.array([np.iinfo(np.int64).max, -5, 11, np.iinfo(np.int64).min], np.int64)
+    for ratio in (3, 4, 6):
+        want = d4.fill_short_context_topk_indices(positions, 8, ratio)
+        got = d4.fill_short_context_topk_indices(to_kind(positions, kind), 8, ratio)
+        np.testing.assert_array_equal(to_numpy(got), want)
+        assert (want[0] == -1).all() and (want[3] == -1).all()

@@ -168,3 +168,19 @@ def test_repeated_layer_op_calls_follow_inputs_changed_in_place(kind):
         for op in want:
             for a, b in zip(got[op], want[op]):
                 np.testing.assert_array_equal(to_numpy(a), to_numpy(b), err_msg=f"{op} step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_an_output_the_op_allocated_is_never_written_by_a_later_call(kind):
+    x = {name: to_kind(value, kind) for name, value in _layer_calls(np.random.default_rng(4)).items()}
+    tokens = x["topk"].shape[0]
+    indices = to_kind(np.zeros((tokens, 1, 128), np.int32), kind)
+    args = (128, x["qsl"], x["seq"], x["t2r"], x["valid"], x["table"], 64)
+    _, first_lens = d4.compute_swa_indices_and_lens(*args, out=(indices, None))
+    kept = to_numpy(first_lens).copy()
+    assert kept.any()
+    x["valid"][...] = False                             # every length 0 on the second call
+    _, second_lens = d4.compute_swa_indices_and_lens(*args, out=(indices, None))
+    assert not to_numpy(second_lens).any()
+    np.testing.assert_array_equal(to_numpy(first_lens), kept)
