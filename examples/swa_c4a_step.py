@@ -13,9 +13,11 @@ Per step (once, for every layer of its type):
   C128A    top-k rows (decode: global slots; prefill: local rows)
 Per layer (C4A layers take the shortcut rows; C128A and SWA-only rows are the
 same for every layer of their type, so they are built once here):
-  C4A      short-context rows -> global slots in place (decodes), combined
-           prefill rows (compressed top-k then the window)
-  C128A    combined prefill rows; SWA-only: window-only combined rows
+  C4A      short-context rows -> global slots in place (decodes) and combined
+           prefill rows (compressed top-k then the window): one launch
+           (c4a_layer_topk)
+  C128A    combined prefill rows, computed without the prefill rows
+           (build_c128a_combined_prefill_rows); SWA-only: window-only rows
 
 Run:  python examples/swa_c4a_step.py
 """
@@ -98,17 +100,21 @@ def main():
     topk_buffer = xp.full((MAX_TOKENS, TOP_K), -1, np.int32)    # upstream's topk_indices_buffer
     local = d4.fill_short_context_topk_indices(step["positions"], TOP_K, C4A_RATIO,
                                                out=topk_buffer)
-    decode_global, decode_lens = d4.compute_global_topk_indices_and_lens(
-        local[:nd], token_to_req, step["c4a_table"][:num_decodes], C4A_BLOCK, is_valid[:nd],
-        out=(topk_buffer, None))                                # in place
-    print(f"C4A decode: global rows {tuple(decode_global.shape)}, lens {decode_lens.tolist()}")
-    for start, end, N, M in plan:
+    for index, (start, end, N, M) in enumerate(plan):
         first, last = num_decodes + start, num_decodes + end
         chunk_qsl = qsl[first:last + 1]
         chunk_tokens = slice(int(host["qsl"][first]), int(host["qsl"][last]))
-        combined, combined_lens = d4.combine_topk_swa_indices(
-            local[chunk_tokens], chunk_qsl, seq[first:last], gather_lens[start:end], WINDOW,
-            C4A_RATIO, TOP_K, M, N)
+        if index == 0:      # the decode rows (in place) and the first chunk's rows, one launch
+            (decode_global, decode_lens), (combined, combined_lens) = d4.c4a_layer_topk(
+                local[:chunk_tokens.stop], nd, token_to_req, step["c4a_table"][:num_decodes],
+                C4A_BLOCK, is_valid, chunk_qsl, seq[first:last], gather_lens[start:end],
+                WINDOW, C4A_RATIO, M, N, out=((topk_buffer, None), None))
+            print(f"C4A decode: global rows {tuple(decode_global.shape)}, "
+                  f"lens {decode_lens.tolist()}")
+        else:
+            combined, combined_lens = d4.combine_topk_swa_indices(
+                local[chunk_tokens], chunk_qsl, seq[first:last], gather_lens[start:end], WINDOW,
+                C4A_RATIO, TOP_K, M, N)
         ranges = d4.build_indexer_prefill_chunk_metadata(
             chunk_qsl, seq[first:last], C4A_RATIO, 0, chunk_tokens.stop - chunk_tokens.start,
             num_compressed=int((host["seq_lens"][first:last] // C4A_RATIO).sum()))
@@ -122,9 +128,9 @@ def main():
         step["c128a_table"], C128A_BLOCK, step["swa_slots"], max_compressed_tokens=width)
     start, end, N, M = d4.get_prefill_chunk_plan(prefill_seq, prefill_queries, C128A_RATIO, 4,
                                                  WINDOW, MAX_MODEL_LEN, MAX_TOKENS)[0]
-    c128a_combined, _ = d4.combine_topk_swa_indices(
-        c128a_prefill, qsl[num_decodes:], seq[num_decodes:], gather_lens, WINDOW, C128A_RATIO,
-        width, M, N)
+    c128a_combined, _ = d4.build_c128a_combined_prefill_rows(
+        num_prefill_tokens, qsl[num_decodes:], seq[num_decodes:], gather_lens, WINDOW,
+        C128A_RATIO, width, M, N)                    # = combine_topk_swa_indices(c128a_prefill, ...)
     # SWA-only layers: no compressed rows (ratio 0, topk 0, N = 0), a [T, 0] top-k input.
     _, _, no_rows, window_rows = d4.get_prefill_chunk_plan(prefill_seq, prefill_queries, 0, 4,
                                                            WINDOW, MAX_MODEL_LEN, MAX_TOKENS)[0]
