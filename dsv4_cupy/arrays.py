@@ -418,7 +418,7 @@ def stream_getter(kind: str, device: int):
     return lambda: get_current_stream(device).ptr
 
 
-# Not bool or float: True == 1 and 1.0 == 1 as keys, but the checks refuse them.
+# Not float: 1.0 == 1 as keys, but the checks refuse it (bools are keyed apart, below).
 _SCALAR_TYPES = frozenset((int, str, tuple, type(None)))
 
 
@@ -438,7 +438,8 @@ def host_key(x) -> tuple | None:
 
 def launch_key(*args) -> tuple | None:
     """A key that fixes everything the checks of a GPU call depend on: for each
-    device array its address, shape, strides and dtype; scalars as they are.
+    device array its address, shape, strides and dtype; scalars as they are,
+    a bool apart from the int it equals (an int argument refuses a bool).
     None when an argument is a host array or anything else (no fast path).
 
     Two calls with equal keys pass the same checks and make the same launch
@@ -453,6 +454,9 @@ def launch_key(*args) -> tuple | None:
         kind = type(x)
         if kind in _SCALAR_TYPES:
             append(x)
+            continue
+        if kind is bool:
+            append((bool, x))
             continue
         family = _FAMILY.get(kind) or _family(x)
         if family is _TORCH:

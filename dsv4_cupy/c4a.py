@@ -8,7 +8,7 @@ import numpy as np
 from . import arrays, cpu, families, geometry, validation
 from .arrays import BOOL, INT32
 from .families import POSITIONS_AXIS
-from .prepared import CheckedCall, PreparedOp, buffers_given
+from .prepared import CheckedCall, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -56,14 +56,10 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     ``lens`` counts the valid entries. A token that is not valid, or whose
     request is outside the table, gets an all -1 row and length 0.
     """
-    key = None
-    if validate == "default" and buffers_given(out):
-        # A bool is keyed apart from the ints (True == 1), which the checks refuse.
-        key, results = _GLOBAL_TOPK.replay(topk_indices, token_to_req_indices, block_table,
-                                           block_size, is_valid_token, ("compact", compact)
-                                           if type(compact) is bool else compact, *out)
-        if results is not None:
-            return results
+    key, results = _GLOBAL_TOPK.replay(validate, out, topk_indices, token_to_req_indices,
+                                       block_table, block_size, is_valid_token, compact)
+    if results is not None:
+        return results
     return _GLOBAL_TOPK.run(key, families.GLOBAL_TOPK, check_global_topk(
         topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, compact,
         out, validate))
@@ -150,11 +146,10 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     ``k < (positions[t] + 1) // compress_ratio`` (truncating toward zero) and
     -1 after; rows are never longer than ``top_k``.
     """
-    key = None
-    if validate == "default" and out is not None:
-        key, results = _SHORT_CONTEXT.replay(positions, top_k, compress_ratio, num_tokens, out)
-        if results is not None:
-            return results
+    key, results = _SHORT_CONTEXT.replay(validate, (out,), positions, top_k, compress_ratio,
+                                         num_tokens)
+    if results is not None:
+        return results
     kind, device, ops = arrays.probe_all({"positions": positions, "out": out})
     pos = ops["positions"]
     positions_dtype = arrays.check(pos, POSITIONS_AXIS[1], 1)

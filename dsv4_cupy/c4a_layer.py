@@ -5,7 +5,7 @@ from . import arrays, families, params
 from .arrays import INT32
 from .c4a import check_global_topk
 from .combine import check_combine
-from .prepared import PreparedOp, buffers_given
+from .prepared import PreparedOp
 from .scalars import check_int
 
 _PREPARED = PreparedOp("c4a_layer_topk")
@@ -51,15 +51,14 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
     -------
     ``((global [nd, K], lens [nd]), (combined [T - nd, C], combined_lens [T - nd]))``, int32.
     """
-    key = None
-    if (validate == "default" and type(out) in (tuple, list) and len(out) == 2
-            and all(buffers_given(part) for part in out)):
-        key, results = _PREPARED.replay(
-            topk_indices, num_decode_tokens, token_to_req_indices, block_table, block_size,
-            is_valid_token, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-            M, N, ("compact", compact) if type(compact) is bool else compact, *out[0], *out[1])
-        if results is not None:
-            return results
+    parts = type(out) in (tuple, list) and len(out) == 2 and all(
+        type(part) in (tuple, list) and len(part) == 2 for part in out)
+    key, results = _PREPARED.replay(
+        validate, [buffer for part in out for buffer in part] if parts else None, topk_indices,
+        num_decode_tokens, token_to_req_indices, block_table, block_size, is_valid_token,
+        query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, M, N, compact)
+    if results is not None:
+        return results
     decode_out, prefill_out = (None, None) if out is None else _parts(out)
     topk = arrays.probe("topk_indices", topk_indices)
     arrays.check(topk, (INT32,), 2)

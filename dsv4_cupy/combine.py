@@ -5,7 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
-from .prepared import CheckedCall, PreparedOp, buffers_given
+from .prepared import CheckedCall, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, round_up
 
@@ -70,12 +70,10 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1, 0, g0)``, then -1;
     ``lens = k_len + s_len``. Values are int32 (wrapping).
     """
-    key = None
-    if validate == "default" and buffers_given(out):
-        key, results = _PREPARED.replay(topk_indices, query_start_loc, seq_lens, gather_lens,
-                                        window_size, compress_ratio, topk, M, N, *out)
-        if results is not None:
-            return results
+    key, results = _PREPARED.replay(validate, out, topk_indices, query_start_loc, seq_lens,
+                                    gather_lens, window_size, compress_ratio, topk, M, N)
+    if results is not None:
+        return results
     if topk_indices is None:
         raise TypeError("topk_indices: expected an int32 array [T, >= topk], got None (C128A "
                         "layers: build_c128a_combined_prefill_rows needs no input rows)")
@@ -114,12 +112,10 @@ def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens
     -------
     ``(indices [num_tokens, C] int32, lens [num_tokens] int32)``, ``C = round_up(topk + W, 128)``.
     """
-    key = None
-    if validate == "default" and buffers_given(out):
-        key, results = _C128A_ROWS.replay(num_tokens, query_start_loc, seq_lens, gather_lens,
-                                          window_size, compress_ratio, topk, M, N, *out)
-        if results is not None:
-            return results
+    key, results = _C128A_ROWS.replay(validate, out, num_tokens, query_start_loc, seq_lens,
+                                      gather_lens, window_size, compress_ratio, topk, M, N)
+    if results is not None:
+        return results
     return _C128A_ROWS.run(key, families.COMBINE, check_combine(
         None, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N,
         out, validate, num_tokens=num_tokens))

@@ -46,14 +46,6 @@ class PreparedCall:
         return True
 
 
-def buffers_given(out, count: int = 2) -> bool:
-    """``out`` is a tuple or list of ``count`` buffers, none of them None: only
-    then is a call prepared (a result allocated by the op must not be written
-    again by a later call)."""
-    return (type(out) in (tuple, list) and len(out) == count
-            and all(buffer is not None for buffer in out))
-
-
 class CheckedCall(NamedTuple):
     """An op's arguments after its checks: what to return, and what to run for
     it: a kernel's struct fields and blocks on the GPU (a fused family nests
@@ -76,10 +68,16 @@ class PreparedOp:
         self.name = name
         self._calls = PlanCache()
 
-    def replay(self, *args) -> tuple:
+    def replay(self, validate: str, buffers, *args) -> tuple:
         """``(key, results)``: the results of a prepared call with these
-        arguments, launched again, or None (the key is None: no fast path)."""
-        key = arrays.launch_key(*args)
+        arguments and output ``buffers``, launched again, or None (the key is
+        None: no fast path). Only a call with ``validate="default"`` and every
+        output buffer given is prepared: a result the op allocated must not be
+        written again by a later call."""
+        if (validate != "default" or type(buffers) not in (tuple, list)
+                or any(buffer is None for buffer in buffers)):
+            return None, None
+        key = arrays.launch_key(*args, *buffers)
         call = self._calls.get(key) if key is not None else None
         if call is not None and call.run():
             return key, call.results
@@ -104,4 +102,4 @@ class PreparedOp:
         return results
 
 
-__all__ = ["CheckedCall", "PreparedCall", "PreparedOp", "PlanCache", "buffers_given"]
+__all__ = ["CheckedCall", "PreparedCall", "PreparedOp", "PlanCache"]

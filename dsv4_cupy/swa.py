@@ -5,7 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import BOOL, INT32
-from .prepared import PreparedOp, buffers_given
+from .prepared import PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
@@ -61,13 +61,11 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     leaves such rows stale); window positions past the table row's blocks are
     -1 and not counted.
     """
-    key = None
-    if validate == "default" and buffers_given(out):
-        key, results = _PREPARED.replay(window_size, query_start_loc, seq_lens,
-                                        token_to_req_indices, is_valid_token, block_table,
-                                        block_size, token_offset, num_rows, *out)
-        if results is not None:
-            return results
+    key, results = _PREPARED.replay(validate, out, window_size, query_start_loc, seq_lens,
+                                    token_to_req_indices, is_valid_token, block_table,
+                                    block_size, token_offset, num_rows)
+    if results is not None:
+        return results
     indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "query_start_loc": query_start_loc, "seq_lens": seq_lens,
