@@ -136,7 +136,7 @@ def device_of(x, kind: str) -> int:
 
 def _to_torch_dtype(dtype: np.dtype):
     torch = _torch()
-    return {INT32: torch.int32, INT64: torch.int64}[np.dtype(dtype)]
+    return {INT32: torch.int32, INT64: torch.int64, BOOL: torch.bool}[np.dtype(dtype)]
 
 
 def probe_all(arrays: dict) -> tuple[str, int, dict]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, cpu, families, geometry, params, validation
+from . import arrays, cpu, geometry, params, validation
 from .arrays import INT32, INT64
 from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .dcp import check_cp
@@ -12,6 +12,7 @@ from .scalars import check_choice, check_int
 from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend,
                    active_width_unchecked, c128a_active_width, c128a_capacity)
 from .prepared import PlanCache, PreparedCall
+from .step_kernel import step_plan
 from .split import host_prefilling as host_prefilling_view
 from .split import split_host
 
@@ -412,16 +413,23 @@ class DeepseekV4MetadataBuilder:
 
     def _plans(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
                valid_tokens) -> tuple:
-        """The fused step kernel: token map, whole slot-mapping buffer, C128A rows."""
+        """The step kernel with this group's section on."""
+        values, blocks, variant = self.base_section(num_reqs, ops, num_tokens, c128a_tokens,
+                                                    num_decode_tokens, width, valid_tokens)
+        plan = step_plan(self.device, variant, {"base": (values, blocks)})
+        return (plan,) if plan is not None else ()
+
+    def base_section(self, num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
+                     valid_tokens) -> tuple:
+        """The step kernel's base section for this group: the token map, the whole
+        slot-mapping buffer and the C128A rows, as ``(params.BUILD_STEP values,
+        blocks, (positions dtype, slot-mapping dtype))``."""
         table, positions = ops["block_table_tensor"], ops["positions"]
         cols_per_block, chunks, row_blocks = geometry.row_chunks(c128a_tokens, width, self.device)
         positions_dtype = positions.dtype if row_blocks else POSITIONS_AXIS[1][-1]
         blocks = row_blocks + geometry.element_blocks(max(num_tokens, self._slot_buffer_len))
-        if blocks == 0:
-            return ()
         buffers = self._buffer_ptrs
-        return (families.BUILD_STEP.plan(
-            self.device, blocks, (positions_dtype, ops["slot_mapping"].dtype),
+        values = params.BUILD_STEP.values(
             query=params.QUERY_LAYOUT.values(query_start_loc=ops["query_start_loc"].ptr,
                                              seq_lens=ops["seq_lens"].ptr, num_reqs=num_reqs),
             table=arrays.block_table_group(table), geometry=self._geometry,
@@ -433,7 +441,8 @@ class DeepseekV4MetadataBuilder:
                 prefill_stride=self.capacity, width=width, num_valid_tokens=valid_tokens),
             chunks=params.ROW_CHUNKS.values(cols_per_block=cols_per_block, chunks=chunks,
                                             row_blocks=row_blocks),
-            num_tokens=num_tokens, num_decode_tokens=num_decode_tokens),)
+            num_tokens=num_tokens, num_decode_tokens=num_decode_tokens)
+        return values, blocks, (positions_dtype, ops["slot_mapping"].dtype)
 
     def _run_cpu(self, cm, num_tokens, c128a_tokens, num_decode_tokens, width, valid_tokens):
         kind, cp = self.kind, self.cp

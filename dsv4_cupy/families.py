@@ -18,9 +18,7 @@ SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params
                            (SLOT_MAPPING_AXIS,))
 C128A = KernelFamily("c128a.cu", "c128a_topk_metadata", params.C128A,
                      (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
-BUILD_STEP = KernelFamily("build_step.cu", "build_step", params.BUILD_STEP,
-                          (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
-ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)
+ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 
 # --- the per-layer and indexer metadata families -------------------------------------------
 SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA)
@@ -37,3 +35,6 @@ INDEXER_DECODE = KernelFamily("indexer_decode.cu", "indexer_decode_metadata",
 C4A_LAYER = KernelFamily("c4a_layer.cu", "c4a_layer_topk", params.C4A_LAYER)
 ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
         INDEXER_DECODE, C4A_LAYER)
+#: The fused step kernel of both builders: every step-level output in one launch.
+STEP = KernelFamily("step.cu", "step_metadata", params.STEP, (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
+ALL += (STEP,)

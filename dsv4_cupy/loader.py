@@ -35,7 +35,7 @@ import numpy as np
 from . import device as devices
 from .errors import KernelCompileError
 from .geometry import THREADS
-from .params import Params
+from .params import MAX_PLAN_CHUNKS, Params
 from .spec import PAD_SLOT_ID
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -43,7 +43,8 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 BASE_OPTIONS = ("-std=c++17",)
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 #: The constants kernels share with Python, one definition each.
-DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID}
+DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID,
+                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS}
 _C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
 

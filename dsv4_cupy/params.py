@@ -18,6 +18,16 @@ PTR, I64, I32 = "ptr", "i64", "i32"
 _CODES = {PTR: ("Q", "u8", 8), I64: ("q", "i8", 8), I32: ("i", "i4", 4)}
 
 
+class Array:
+    """A fixed-length array field of PTR, I64 or I32 values (a C array)."""
+
+    def __init__(self, kind: str, count: int):
+        self.kind, self.count = kind, count
+        code, dtype, size = _CODES[kind]
+        self.format, self.dtype, self.item_size = f"{count}{code}", (dtype, (count,)), size
+        self.size = size * count
+
+
 class _Layout:
     """Fields (name, PTR | I64 | I32 | a nested layout), 8-byte ones first: no
     inner padding. ``values(**fields)`` gives the values in C order, flattened,
@@ -27,17 +37,23 @@ class _Layout:
         self.c_name = c_name
         self.fields = tuple(fields)
         self.names = tuple(name for name, _ in fields)
-        sizes = [kind.size if isinstance(kind, _Layout) else _CODES[kind][2] for _, kind in fields]
-        if sizes != sorted(sizes, key=lambda s: s < 8):
+        sizes = [kind.size if isinstance(kind, (_Layout, Array)) else _CODES[kind][2]
+                 for _, kind in fields]
+        alignments = [kind.item_size if isinstance(kind, Array) else size
+                      for (_, kind), size in zip(fields, sizes)]
+        if alignments != sorted(alignments, key=lambda s: s < 8):
             raise ValueError(f"{c_name}: put 8-byte fields and groups before 4-byte ones")
-        self.format = "".join(kind.format if isinstance(kind, _Layout) else _CODES[kind][0]
-                              for _, kind in fields)
+        self.format = "".join(kind.format if isinstance(kind, (_Layout, Array))
+                              else _CODES[kind][0] for _, kind in fields)
         raw = sum(sizes)
         self.format += "x" * (-raw % 8)
-        self.dtype = np.dtype([(name, kind.dtype if isinstance(kind, _Layout) else _CODES[kind][1])
+        self.dtype = np.dtype([(name, kind.dtype if isinstance(kind, (_Layout, Array))
+                                else _CODES[kind][1])
                                for name, kind in fields], align=True)
         self.size = self.dtype.itemsize
         assert self.size == struct.calcsize("<" + self.format), c_name
+        #: The values of a section a fused kernel leaves off (every field 0).
+        self.off = (0,) * len(struct.unpack("<" + self.format, bytes(self.size)))
         self.values = self._function("values", f"return ({self._flat()},)", {})
 
     def offsets(self) -> list[tuple[str, int]]:
@@ -50,7 +66,7 @@ class _Layout:
         return namespace[name]
 
     def _flat(self) -> str:
-        return ", ".join(f"*{name}" if isinstance(kind, _Layout) else name
+        return ", ".join(f"*{name}" if isinstance(kind, (_Layout, Array)) else name
                          for name, kind in self.fields)
 
 
@@ -101,12 +117,7 @@ C128A = Params("C128AParams", [
     ("positions", PTR), ("token_to_req", PTR), ("slot_mapping", PTR), ("table", BLOCK_TABLE),
     ("geometry", SLOT_GEOMETRY), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS),
     ("num_tokens", I64), ("num_decode_tokens", I64)])
-BUILD_STEP = Params("BuildStepParams", [
-    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
-    ("positions", PTR), ("slot_mapping", PTR), ("req_out", PTR), ("slots_out", PTR),
-    ("slots_len", I64), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS), ("num_tokens", I64),
-    ("num_decode_tokens", I64)])
-ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, BUILD_STEP)
+ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 
 # --- the per-layer and indexer metadata families (upstream.md §2, §4-§6, §8) ---------------
 SWA = Params("SwaParams", [
@@ -141,3 +152,30 @@ C4A_LAYER = Params("C4ALayerParams", [
     ("decode", GLOBAL_TOPK), ("prefill", COMBINE), ("decode_blocks", I64)])
 ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
         INDEXER_DECODE, C4A_LAYER)
+
+# --- the fused step kernel (kernels/step.cu) -------------------------------------------------
+#: Chunks of a prefill plan one step launch carries (a longer plan takes more launches).
+MAX_PLAN_CHUNKS = 32
+BUILD_STEP = Params("BuildStepParams", [
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
+    ("positions", PTR), ("slot_mapping", PTR), ("req_out", PTR), ("slots_out", PTR),
+    ("slots_len", I64), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS), ("num_tokens", I64),
+    ("num_decode_tokens", I64)])
+PREFILL_PLAN = Group("PrefillPlan", [
+    ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
+    ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
+    ("swa_offset", Array(I32, MAX_PLAN_CHUNKS))])
+PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", COMBINE), ("plan", PREFILL_PLAN)])
+#: The step kernel's sections, in grid order.
+STEP_SECTION_NAMES = ("base", "swa", "c4a_slots", "indexer_slots", "gather", "indexer_decode",
+                      "indexer_prefill", "c128a_combine", "swa_combine", "short_context")
+STEP_SECTIONS = Group("StepSections", [(name, I64) for name in STEP_SECTION_NAMES])
+STEP = Params("StepParams", [
+    ("base", BUILD_STEP), ("swa", SWA), ("c4a_slots", SLOT_MAPPING),
+    ("indexer_slots", SLOT_MAPPING), ("gather", PREFILL_GATHER),
+    ("indexer_decode", INDEXER_DECODE), ("indexer_prefill", INDEXER_PREFILL),
+    ("c128a_combine", PREFILL_COMBINE), ("swa_combine", PREFILL_COMBINE),
+    ("short_context", SHORT_CONTEXT), ("sections", STEP_SECTIONS), ("swa_slot_mapping", PTR),
+    ("is_valid_out", PTR)])
+GROUPS += (PREFILL_PLAN, STEP_SECTIONS)
+ALL += (BUILD_STEP, PREFILL_COMBINE, STEP)

@@ -28,8 +28,18 @@ struct CombineRow {
     __device__ __forceinline__ int length() const { return topk_len + swa_len; }
 };
 
-__device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
-                                                         const Blocks& blocks = whole_grid()) {
+// The chunk of the prefill chunk plan that holds a request: its first
+// request and its workspace geometry (M, N).
+struct CombineChunk {
+    i64 first_request, rows_per_request, swa_offset;
+};
+
+// The rows of p, request b's chunk from chunk_of(b): the one chunk of the op's
+// arguments, or the step's plan. Without gather_lens (null) a request's
+// gather length is computed (prefill_gather_len), as the fused step does.
+template <typename ChunkOf>
+__device__ __forceinline__ void combine_rows(const CombineParams& p, const Blocks& blocks,
+                                             const ChunkOf& chunk_of) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 base = qsl[0];
     const i64 total = p.query.num_reqs > 0 ? (i64)qsl[p.query.num_reqs] - base : 0;
@@ -43,16 +53,27 @@ __device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
             const i64 qs = qsl[b], seq_len = p.query.seq_lens[b];
             const i64 position = seq_len - ((i64)qsl[b + 1] - qs) + (base + t - qs);
             row.topk_len = p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
-            const i64 gather_start = seq_len - p.gather_lens[b];
+            const CombineChunk chunk = chunk_of(b);
+            const i64 gather_len = p.gather_lens != nullptr
+                ? (i64)p.gather_lens[b]
+                : prefill_gather_len((i64)qsl[b + 1] - qs, seq_len, p.window_size);
+            const i64 gather_start = seq_len - gather_len;
             i64 swa_start = position - p.window_size + 1;
             swa_start = swa_start > 0 ? swa_start : 0;
             swa_start = swa_start > gather_start ? swa_start : gather_start;
             row.swa_len = (int)clamp_i64(position - swa_start + 1, 0, p.window_size);
-            row.request_base = p.rows_per_request * b;
-            row.swa_first = row.request_base + p.swa_offset + (swa_start - gather_start);
+            row.request_base = chunk.rows_per_request * (b - chunk.first_request);
+            row.swa_offset = chunk.swa_offset;
+            row.swa_first = row.request_base + chunk.swa_offset + (swa_start - gather_start);
         }
         return row;
     });
+}
+
+__device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
+                                                         const Blocks& blocks = whole_grid()) {
+    combine_rows(p, blocks,
+                 [&](i64) { return CombineChunk{0, p.rows_per_request, p.swa_offset}; });
 }
 
 }  // namespace dsv4

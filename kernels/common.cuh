@@ -199,6 +199,12 @@ __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT
 
 // --- helpers of the per-layer and indexer metadata kernels -------------------------------------
 
+// Raw tokens a prefill request gathers from the SWA cache: its queries and
+// the window before the first one, q + min(max(L - q, 0), W - 1).
+__device__ __forceinline__ i64 prefill_gather_len(i64 query_len, i64 seq_len, i64 window_size) {
+    return query_len + clamp_i64(seq_len - query_len, 0, window_size - 1);
+}
+
 // Global slot of row `within` of cache block `entry`, computed in 32 bits like
 // the seed (a product past 2^31 wraps the same way on every path).
 __device__ __forceinline__ int block_slot(int entry, int block_size, int within) {

@@ -8,10 +8,11 @@
 #include "common.cuh"
 
 namespace dsv4 {
-__device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParams& p) {
+__device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParams& p,
+                                                        const Blocks& blocks = whole_grid()) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 num_reqs = p.query.num_reqs, mapped = qsl[num_reqs];
-    const WarpRows rows(whole_grid());
+    const WarpRows rows(blocks);
     for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
         const bool real = num_reqs > 0 && t < mapped;
         const int b = real ? request_of(qsl, num_reqs, t) : 0;
@@ -31,8 +32,8 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
             p.decode_lens[t] = 1;
         }
     }
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 t = p.num_tokens + (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 stride = blocks.count * DSV4_THREADS;
+    for (i64 t = p.num_tokens + blocks.index * DSV4_THREADS + threadIdx.x;
          t < p.context_lens_len; t += stride)
         p.context_lens[t] = 0;
 }

@@ -10,13 +10,14 @@
 #include "common.cuh"
 
 namespace dsv4 {
-__device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPrefillParams& p) {
+__device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPrefillParams& p,
+                                                               const Blocks& blocks = whole_grid()) {
     __shared__ i64 scratch[DSV4_THREADS / 32];
     const int* __restrict__ qsl = p.query.query_start_loc;
     const int* __restrict__ seq_lens = p.query.seq_lens;
     const i64 num_reqs = p.query.num_reqs, base = qsl[0];
     const i64 slice_start = p.query_slice_start, slice_stop = p.query_slice_stop;
-    for (i64 b = blockIdx.x; b <= num_reqs; b += gridDim.x) {
+    for (i64 b = blocks.index; b <= num_reqs; b += blocks.count) {
         i64 earlier = 0;
         for (i64 r = threadIdx.x; r < b; r += DSV4_THREADS) {
             const i64 rows = (i64)seq_lens[r] / p.ratio;

@@ -2,7 +2,8 @@
 // kernel's only argument (one argument costs the host far less than twenty).
 // Structs are built from shared field groups. dsv4_cupy/params.py declares the
 // same layouts; the loader compiles static_asserts of their sizes and offsets
-// into every kernel, so the two cannot drift apart. Every field is 8 bytes.
+// into every kernel, so the two cannot drift apart. Fields are 8 bytes, but for
+// the int arrays of a prefill plan, which come last in their struct.
 #pragma once
 
 typedef long long i64;
@@ -71,21 +72,6 @@ struct C128AParams {
     BlockTable table;
     SlotGeometry geometry;
     C128ARows rows;
-    RowChunks chunks;
-    i64 num_tokens;
-    i64 num_decode_tokens;
-};
-
-struct BuildStepParams {
-    QueryLayout query;
-    BlockTable table;
-    SlotGeometry geometry;
-    const void* positions;       // [num_tokens] int32 or int64 (p32/p64)
-    const void* slot_mapping;    // [num_tokens] int32 or int64 (s32/s64)
-    int* req_out;                // [num_tokens] int32
-    long long* slots_out;        // [slots_len] int64 compressed slots; null for ratio 1
-    i64 slots_len;
-    C128ARows rows;              // null pointers unless ratio 128
     RowChunks chunks;
     i64 num_tokens;
     i64 num_decode_tokens;
@@ -184,4 +170,61 @@ struct C4ALayerParams {          // c4a_layer_topk: one launch per C4A layer
     GlobalTopkParams decode;     // the layer's top-k rows of the decode tokens
     CombineParams prefill;       // the layer's top-k rows of the chunk's prefill tokens
     i64 decode_blocks;           // blocks [0, decode_blocks) convert decode rows, the rest combine
+};
+
+// --- the fused step kernel (kernels/step.cu) -------------------------------------------------
+struct BuildStepParams {         // its base section: one group's step outputs
+    QueryLayout query;
+    BlockTable table;
+    SlotGeometry geometry;
+    const void* positions;       // [num_tokens] int32 or int64 (p32/p64)
+    const void* slot_mapping;    // [num_tokens] int32 or int64 (s32/s64)
+    int* req_out;                // [num_tokens] int32
+    long long* slots_out;        // [slots_len] int64 compressed slots; null for ratio 1
+    i64 slots_len;
+    C128ARows rows;              // null pointers unless ratio 128
+    RowChunks chunks;
+    i64 num_tokens;
+    i64 num_decode_tokens;
+};
+
+struct PrefillPlan {             // a prefill chunk plan (get_prefill_chunk_plan), chunks <= max
+    i64 chunks;
+    int first_request[DSV4_MAX_PLAN_CHUNKS];     // chunk c: [first_request[c], first_request[c + 1])
+    int rows_per_request[DSV4_MAX_PLAN_CHUNKS];  // M of chunk c
+    int swa_offset[DSV4_MAX_PLAN_CHUNKS];        // N of chunk c
+};
+
+struct PrefillCombineParams {    // combined prefill rows of a layer type, once per step
+    CombineParams rows;          // the prefill requests; gather_lens null (computed)
+    PrefillPlan plan;            // rows_per_request and swa_offset of rows are unused
+};
+
+struct StepSections {            // cumulative block ends, in order; equal ends: section off
+    i64 base;
+    i64 swa;
+    i64 c4a_slots;
+    i64 indexer_slots;
+    i64 gather;
+    i64 indexer_decode;
+    i64 indexer_prefill;
+    i64 c128a_combine;
+    i64 swa_combine;
+    i64 short_context;
+};
+
+struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the group builder)
+    BuildStepParams base;        // token->request map, C128A slots and rows
+    SwaParams swa;               // token_to_req and is_valid_token unused (computed)
+    SlotMappingParams c4a_slots;
+    SlotMappingParams indexer_slots;
+    PrefillGatherParams gather;
+    IndexerDecodeParams indexer_decode;
+    IndexerPrefillParams indexer_prefill;
+    PrefillCombineParams c128a_combine;
+    PrefillCombineParams swa_combine;
+    ShortContextParams short_context;
+    StepSections sections;
+    const void* swa_slot_mapping;  // [num_tokens] int32 or int64 (s32/s64): validity of SWA rows
+    unsigned char* is_valid_out; // [num_tokens] bool: swa_slot_mapping >= 0
 };

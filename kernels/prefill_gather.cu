@@ -4,14 +4,14 @@
 #include "common.cuh"
 
 namespace dsv4 {
-__device__ __forceinline__ void prefill_gather_lens(const PrefillGatherParams& p) {
+__device__ __forceinline__ void prefill_gather_lens(const PrefillGatherParams& p,
+                                                    const Blocks& blocks = whole_grid()) {
     const int* __restrict__ qsl = p.query.query_start_loc;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.num_prefills; i += stride) {
+    const i64 stride = blocks.count * DSV4_THREADS;
+    for (i64 i = blocks.index * DSV4_THREADS + threadIdx.x; i < p.num_prefills; i += stride) {
         const i64 b = p.num_decodes + i;
-        const i64 query_len = (i64)qsl[b + 1] - qsl[b];
-        const i64 prefix = (i64)p.query.seq_lens[b] - query_len;
-        p.out[i] = (int)(query_len + clamp_i64(prefix, 0, p.window_size - 1));
+        p.out[i] = (int)prefill_gather_len((i64)qsl[b + 1] - qsl[b], p.query.seq_lens[b],
+                                           p.window_size);
     }
 }
 

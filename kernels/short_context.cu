@@ -11,10 +11,11 @@ struct ShortContextRow {
 };
 
 template <typename PosT>
-__device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p) {
+__device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p,
+                                                                const Blocks& blocks = whole_grid()) {
     const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
     fill_warp_rows(p.out, p.out_stride, nullptr, p.num_tokens, (int)p.top_k,
-                   whole_grid(), [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
+                   blocks, [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
                                                                     p.top_k)}; });
 }
 

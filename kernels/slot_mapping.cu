@@ -8,11 +8,12 @@
 
 namespace dsv4 {
 template <typename SlotT>
-__device__ __forceinline__ void compressed_slot_mapping(const SlotMappingParams& p) {
+__device__ __forceinline__ void compressed_slot_mapping(const SlotMappingParams& p,
+                                                        const Blocks& blocks = whole_grid()) {
     const SlotT* __restrict__ token_slots = static_cast<const SlotT*>(p.token_slots);
     const bool own_slot_rule = token_slots != nullptr && p.geometry.cp_world_size == 1;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.out_len; i += stride) {
+    const i64 stride = blocks.count * DSV4_THREADS;
+    for (i64 i = blocks.index * DSV4_THREADS + threadIdx.x; i < p.out_len; i += stride) {
         const bool slotted = i < p.num_tokens && !(own_slot_rule && token_slots[i] < 0);
         p.out[i] = slotted ? compressed_slot_at(p.query, p.table, p.geometry, i)
                            : DSV4_PAD_SLOT_ID;

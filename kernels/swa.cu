@@ -26,17 +26,26 @@ struct SwaRow {
     __device__ __forceinline__ int length() const { return count; }
 };
 
-__device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
-    const unsigned char* __restrict__ is_valid =
-        static_cast<const unsigned char*>(p.is_valid_token);
+// A token's validity and request, as a row of the SWA rows reads them.
+struct SwaToken {
+    bool valid;
+    i64 request;
+};
+
+// The rows of p, token t's validity and request from token_of(t): read from
+// the arrays the op is given, or computed by the fused step kernel.
+template <typename TokenOf>
+__device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& blocks,
+                                         const TokenOf& token_of) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 requests = min(p.query.num_reqs, p.table.rows);
     fill_warp_rows(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size,
-                   whole_grid(), [&](i64 i) {
+                   blocks, [&](i64 i) {
         SwaRow row{nullptr, 0, 0, 0, BlockDivisor((int)p.block_size)};
         const i64 t = i + p.token_offset;
-        const bool valid = is_valid[t] != 0;
-        const i64 b = p.token_to_req[t];
+        const SwaToken token = token_of(t);
+        const bool valid = token.valid;
+        const i64 b = token.request;
         if (requests <= 0) return row;
         const bool in_table = b >= 0 && b < requests;
         const i64 request = in_table ? b : 0;
@@ -52,6 +61,13 @@ __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
         row.first_within = (int)(start - row.first_column * p.block_size);
         return row;
     });
+}
+
+__device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
+    const unsigned char* __restrict__ is_valid =
+        static_cast<const unsigned char*>(p.is_valid_token);
+    swa_rows(p, whole_grid(),
+             [&](i64 t) { return SwaToken{is_valid[t] != 0, (i64)p.token_to_req[t]}; });
 }
 
 }  // namespace dsv4

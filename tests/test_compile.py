@@ -30,10 +30,10 @@ def test_entry_points_follow_the_declared_dtype_axes():
     assert families.TOKEN_MAP.entry_points() == ["token_to_req_indices"]
     assert families.SLOT_MAPPING.entry_points() == ["compressed_slot_mapping_s32",
                                                     "compressed_slot_mapping_s64"]
-    for family in (families.C128A, families.BUILD_STEP):
+    for family in (families.C128A, families.STEP):
         assert family.entry_points() == [f"{family.function}_p{p}_s{s}"
                                          for p in (32, 64) for s in (32, 64)]
-    assert "build_step<long long, int>(p)" in families.BUILD_STEP.stubs()
+    assert "step_metadata<long long, int>(p)" in families.STEP.stubs()
 
 
 def test_source_inlines_includes_with_line_marks_and_shared_constants():

@@ -10,7 +10,8 @@ import pytest
 
 from dsv4_cupy import families, loader, params
 
-C_TYPES = {params.PTR: {"const int*", "int*", "long long*", "const long long*", "const void*"},
+C_TYPES = {params.PTR: {"const int*", "int*", "long long*", "const long long*", "const void*",
+                        "unsigned char*"},
            params.I64: {"i64", "long long"}, params.I32: {"int"}}
 
 
@@ -19,8 +20,9 @@ def c_structs() -> dict:
     text = (loader.kernel_dir() / "params.cuh").read_text()
     structs = {}
     for name, body in re.findall(r"struct (\w+) \{(.*?)\};", text, re.S):
-        fields = re.findall(r"^\s*([\w\s\*]+?)\s*(\w+);", body, re.M)
-        structs[name] = [(field, " ".join(ctype.split())) for ctype, field in fields]
+        fields = re.findall(r"^\s*([\w\s\*]+?)\s*(\w+)(\[\w+\])?;", body, re.M)
+        structs[name] = [(field, " ".join(ctype.split()) + ("[]" if array else ""))
+                         for ctype, field, array in fields]
     return structs
 
 
@@ -31,6 +33,9 @@ def test_python_layout_matches_the_c_struct_field_by_field(layout):
     for (name, ctype), (_, kind) in zip(c_fields, layout.fields):
         if isinstance(kind, (params.Group, params.Params)):
             assert ctype == kind.c_name, f"{layout.c_name}.{name}: {ctype} is not {kind.c_name}"
+        elif isinstance(kind, params.Array):
+            assert ctype.endswith("[]") and ctype[:-2] in C_TYPES[kind.kind], \
+                f"{layout.c_name}.{name}: {ctype} is not an array of {kind.kind}"
         else:
             assert ctype in C_TYPES[kind], f"{layout.c_name}.{name}: {ctype} is not {kind}"
 
