@@ -23,6 +23,7 @@ from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, 
                    kv_cache_shape)
 from .split import split_decodes_and_prefills
 from .swa import compute_swa_indices_and_lens
+from .step_builder import DeepseekV4StepMetadata, DeepseekV4StepMetadataBuilder
 from .token_map import token_to_req_indices
 from .warmup import warmup
 
@@ -31,7 +32,8 @@ __version__ = "0.1.0"
 __all__ = [
     "token_to_req_indices", "split_decodes_and_prefills", "get_compressed_slot_mapping",
     "build_c128a_topk_metadata", "get_dcp_local_seq_lens", "CommonAttentionMetadata", "DeepseekV4Metadata",
-    "DeepseekV4MetadataBuilder", "DeepseekV4FlashMLABackend", "c128a_capacity",
+    "DeepseekV4MetadataBuilder", "DeepseekV4StepMetadataBuilder", "DeepseekV4StepMetadata",
+    "DeepseekV4FlashMLABackend", "c128a_capacity",
     "c128a_active_width", "kv_cache_shape", "warmup", "to_torch", "C128A_TOPK_ALIGNMENT",
     "FP8_DS_MLA_BYTES_PER_TOKEN", "HEAD_SIZE", "KV_BLOCK_SIZE", "PAD_SLOT_ID", "Dsv4Error",
     "KernelCompileError", "NoGPUError", "NVRTCMissingError", "UnsupportedDeviceError",

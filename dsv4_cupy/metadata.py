@@ -20,7 +20,8 @@ class CommonAttentionMetadata:
     ``positions`` ``[num_actual_tokens]`` int32/int64 (needed for C128A),
     ``is_prefilling`` ``[num_reqs]`` host bool (requests still processing their
     prompt; read only by ``split_decodes_and_prefills(...,
-    treat_short_extends_as_decodes=False)``).
+    treat_short_extends_as_decodes=False)``), ``seq_lens_cpu`` ``[num_reqs]`` host
+    int (read by the step builder's prefill planning).
     """
 
     query_start_loc: Any
@@ -34,6 +35,7 @@ class CommonAttentionMetadata:
     max_seq_len: int
     positions: Any = None
     is_prefilling: Any = None
+    seq_lens_cpu: Any = None
 
 
 @dataclass

@@ -33,7 +33,7 @@ def test_swa_c4a_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["cupy_pipeline.py", "cuda_graph.py"])
+@pytest.mark.parametrize("name", ["cupy_pipeline.py", "cuda_graph.py", "step_graph.py"])
 def test_gpu_examples(name):
     assert "skipping this example" not in run_example(name)
 

@@ -24,10 +24,13 @@ import numpy as np
 from .. import __version__
 from .host_cost import host_rows, print_host_rows
 from .layers import print_layer_rows
+from .step import print_step_rows
 
 MAX_MODEL_LEN = 1 << 20
 WIDTH = 8192
 MAX_TOKENS = 65536 + 1024
+#: Buffers of the whole-step cases (their largest step has 2112 tokens).
+STEP_MAX_TOKENS = 8192
 
 
 def add_arguments(parser) -> None:
@@ -217,6 +220,9 @@ def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
             rows.append(row)
     host, host_meta = host_rows(timer, torch, make_step, MAX_MODEL_LEN, MAX_TOKENS)
     rows += host
+    from .step import step_rows
+    rows += step_rows(timer, torch, make_step, MAX_MODEL_LEN, STEP_MAX_TOKENS,
+                      host_meta["launch_floor_us"])
     from .layers import layer_rows
     rows += layer_rows(quick, timer, ceil["write_GBps"], host_meta["launch_floor_us"],
                        lambda items: _progress(items, progress, "layer cases"))
@@ -279,6 +285,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   f"{r['ours_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")
     if "host" in meta:
         print_host_rows([r for r in rows if "x_floor" in r], meta["host"])
+    print_step_rows([r for r in rows if r.get("op") == "step"])
     print_layer_rows(rows)
     for r in rows:
         if "numba_ms" in r:

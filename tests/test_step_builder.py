@@ -1,0 +1,276 @@
+"""DeepseekV4StepMetadataBuilder against the composition of the single ops, on
+every array kind, with the builder's buffers poisoned before each build: every
+group's outputs of random decode, mixed and prefill steps, the combined prefill
+rows per chunk, the short-context rows, and one launch per step on the GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsv4_cupy as d4
+from batches import POISON
+from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
+from dsv4_cupy import loader
+from dsv4_cupy.combine import combined_width
+
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+I32, I64 = np.int32, np.int64
+MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
+
+
+def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", decode_len=None):
+    """One CommonAttentionMetadata per group: shared layout, own tables and slots.
+    Decodes have 1 to 1 + SPEC tokens (``decode_len`` each when given)."""
+    decode_lens = (rng.integers(1, SPEC + 2, decodes) if decode_len is None
+                   else [decode_len] * decodes)
+    query = np.array(list(decode_lens) + list(prefill_lens), I64)
+    top = 300 if short else MAX_MODEL_LEN - int(query.max(initial=1))
+    seq = query + rng.integers(0, top, len(query))
+    if len(seq):
+        seq[rng.integers(len(seq))] = min(int(seq.max()), MAX_MODEL_LEN)
+    qsl = np.concatenate([[0], np.cumsum(query)]).astype(I32)
+    tokens = int(qsl[-1]) + pad
+    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
+                               [rng.integers(-5, 9, pad)]).astype(I64)
+    groups = {}
+    for group, block in (("swa", 64), ("c4a", 256), ("indexer", 256), ("c128a", 256)):
+        table = rng.integers(0, 1 << 16, (len(query), -(-MAX_MODEL_LEN // block)), dtype=I32)
+        slots = rng.integers(0, 1 << 20, tokens).astype(I64)
+        slots[int(qsl[-1]):] = -1
+        slots[rng.random(tokens) < 0.05] = -1
+        groups[group] = d4.CommonAttentionMetadata(
+            query_start_loc=None, query_start_loc_cpu=qsl.copy(), seq_lens=None,
+            block_table_tensor=to_kind(table, kind), slot_mapping=to_kind(slots, kind),
+            num_reqs=len(query), num_actual_tokens=tokens,
+            max_query_len=int(query.max(initial=0)), max_seq_len=int(seq.max(initial=0)),
+            positions=None, seq_lens_cpu=seq.astype(I32))
+    shared = dict(query_start_loc=to_kind(qsl, kind), seq_lens=to_kind(seq.astype(I32), kind),
+                  positions=to_kind(positions, kind))
+    for cm in groups.values():
+        for name, value in shared.items():
+            setattr(cm, name, value)
+    return groups
+
+
+def poison(builder):
+    for buffer in builder._buffers():
+        buffer[...] = True if buffer.dtype in (np.bool_,) or str(buffer.dtype) == "torch.bool" \
+            else POISON
+
+
+def composition(cms, builder):
+    """The step's outputs from the single ops, each on fresh outputs."""
+    cm = cms["c128a"]
+    qsl, seq, T = cm.query_start_loc, cm.seq_lens, cm.num_actual_tokens
+    host_qsl = cm.query_start_loc_cpu
+    single = d4.DeepseekV4MetadataBuilder(
+        128, MAX_MODEL_LEN, builder.max_num_batched_tokens,
+        num_speculative_tokens=builder.c128a_builder.decode_threshold - 1, like=cm.seq_lens)
+    c128a = single.build(0, cm)
+    nr, npf = c128a.num_decodes, c128a.num_prefills
+    nd, ntp = c128a.num_decode_tokens, c128a.num_prefill_tokens
+    req = d4.token_to_req_indices(qsl, T)
+    valid = to_kind(to_numpy(cms["swa"].slot_mapping)[:T] >= 0, _kind(seq))
+    out = {"req_id_per_token": req, "is_valid_token": valid, "c128a": c128a}
+    rows, lens = d4.compute_swa_indices_and_lens(W, qsl, seq, req, valid,
+                                                 cms["swa"].block_table_tensor, 64, 0, T)
+    out.update(swa_decode_indices=rows[:nd], swa_decode_lens=lens[:nd],
+               swa_prefill_indices=rows[nd:], swa_prefill_lens=lens[nd:])
+    for group in ("c4a", "indexer"):
+        out[f"{group}_slot_mapping"] = d4.get_compressed_slot_mapping(
+            T, qsl, seq, cms[group].block_table_tensor, 64, 4)[:T]
+    if nd:
+        (out["indexer_context_lens"], out["indexer_req_ids"], out["indexer_decode_lens"],
+         out["indexer_block_rows"]) = d4.build_indexer_decode_metadata(
+            qsl[:nr + 1], seq, cms["indexer"].block_table_tensor, nd, 4)
+    if npf:
+        gather = d4.compute_prefill_gather_lens(qsl, seq, nr, npf, W)
+        out["prefill_gather_lens"] = gather
+        host_seq = cm.seq_lens_cpu[nr:].astype(I64)
+        (out["indexer_cu_compressed"], out["indexer_token_to_seq"], out["indexer_cu_seqlen_ks"],
+         out["indexer_cu_seqlen_ke"]) = d4.build_indexer_prefill_chunk_metadata(
+            qsl[nr:], seq[nr:], 4, 0, ntp, num_compressed=int((host_seq // 4).sum()))
+        if builder.combined_prefill:
+            queries = np.diff(host_qsl[nr:]).astype(I64)
+            width = c128a.c128a_prefill_topk_indices.shape[1]
+            for name, ratio, topk in (("c128a", 128, width), ("swa", 1, 0)):
+                plan = d4.get_prefill_chunk_plan(host_seq, queries, ratio,
+                                                 builder.prefill_chunk_size, W, MAX_MODEL_LEN,
+                                                 builder.max_num_batched_tokens)
+                out[f"{name}_prefill_chunks"] = plan
+                pieces, piece_lens = [], []
+                for start, end, N, M in plan:
+                    a, b = nr + start, nr + end
+                    got = d4.build_c128a_combined_prefill_rows(
+                        int(host_qsl[b] - host_qsl[a]), qsl[a:b + 1], seq[a:b], gather[start:end],
+                        W, 128 if ratio > 1 else 0, topk, M, N)
+                    pieces.append(to_numpy(got[0]))
+                    piece_lens.append(to_numpy(got[1]))
+                out[f"{name}_combined_indices"] = np.concatenate(pieces)
+                out[f"{name}_combined_lens"] = np.concatenate(piece_lens)
+    if not builder._captured and cm.max_seq_len // 4 <= builder.index_topk and T:
+        out["c4a_short_context_topk_indices"] = d4.fill_short_context_topk_indices(
+            cm.positions, builder.index_topk, 4, T)
+    return out
+
+
+def _kind(x):
+    module = type(x).__module__
+    return "numpy" if module == "numpy" else "cupy" if module.startswith("cupy") else (
+        "torch_cuda" if x.is_cuda else "torch_cpu")
+
+
+def assert_equal(got, want):
+    for name, expected in want.items():
+        actual = getattr(got, name)
+        if name == "c128a":
+            for field in ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
+                          "c128a_decode_topk_lens", "c128a_prefill_topk_indices"):
+                a, e = getattr(actual, field), getattr(expected, field)
+                assert (a is None) == (e is None), field
+                if a is not None:
+                    np.testing.assert_array_equal(to_numpy(a), to_numpy(e), err_msg=field)
+        elif isinstance(expected, list):
+            assert actual == expected, name
+        else:
+            assert actual is not None, name
+            np.testing.assert_array_equal(to_numpy(actual), to_numpy(expected), err_msg=name)
+
+
+def count_launches(monkeypatch):
+    launches = []
+    run = loader.LaunchPlan.run
+    monkeypatch.setattr(loader.LaunchPlan, "run",
+                        lambda plan, stream: launches.append(plan) or run(plan, stream))
+    return launches
+
+
+STEPS = [  # (decodes, prefill query lengths, padding tokens, short context)
+    (6, [], 3, False), (1, [], 0, True), (4, [300, 17, 1, 64], 0, False),
+    (0, [500, 2, 9, 33, 120, 7], 0, False), (3, [40, 60], 0, True)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("combined", [False, True])
+def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
+    rng = np.random.default_rng(11 + combined)
+    builder = d4.DeepseekV4StepMetadataBuilder(
+        MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC, combined_prefill=combined,
+        like=to_kind(np.zeros(1, I32), kind))
+    launches = count_launches(monkeypatch)
+    for decodes, prefills, pad, short in STEPS * 2:
+        cms = make_step(rng, decodes, prefills, pad, short, kind)
+        poison(builder)
+        del launches[:]
+        got = builder.build(0, cms)
+        if kind in GPU_KINDS:
+            assert len(launches) == 1
+        assert_equal(got, composition(cms, builder))
+        assert (got.c4a_short_context_topk_indices is not None) == short
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_plan_longer_than_a_launch_carries_equals_the_ops(kind, monkeypatch):
+    """1000 short prefills make more chunks than one launch carries: the GPU
+    adds a launch of the combine sections per MAX_PLAN_CHUNKS chunks."""
+    rng = np.random.default_rng(6)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 4096, combined_prefill=True,
+                                               prefill_chunk_size=1, max_num_compressed=1 << 21,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    cms = make_step(rng, 2, [4] * 1000, kind=kind)
+    poison(builder)
+    launches = count_launches(monkeypatch)
+    got = builder.build(0, cms)
+    chunks = max(len(got.c128a_prefill_chunks), len(got.swa_prefill_chunks))
+    assert chunks > d4.params.MAX_PLAN_CHUNKS
+    if kind in GPU_KINDS:
+        assert len(launches) == -(-chunks // d4.params.MAX_PLAN_CHUNKS)
+    assert_equal(got, composition(cms, builder))
+
+
+def test_bad_steps_are_refused_naming_the_group():
+    rng = np.random.default_rng(1)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC)
+    cms = make_step(rng, 2, [30])
+    with pytest.raises(TypeError, match="one CommonAttentionMetadata per group"):
+        builder.build(0, {k: v for k, v in cms.items() if k != "swa"})
+    cms["c4a"].slot_mapping = cms["c4a"].slot_mapping.astype(I32)
+    with pytest.raises(TypeError, match=r"\['c4a'\].slot_mapping"):
+        builder.build(0, cms)
+    cms = make_step(rng, 2, [30])
+    cms["swa"].seq_lens = cms["swa"].seq_lens.copy()
+    with pytest.raises(ValueError, match=r"\['swa'\].seq_lens.*share the query layout"):
+        builder.build(0, cms)
+    cms = make_step(rng, 2, [30])
+    cms["c128a"].seq_lens_cpu = None
+    with pytest.raises(ValueError, match="seq_lens_cpu: required"):
+        builder.build(0, cms)
+    cms = make_step(rng, 2, [30])
+    cms["indexer"].block_table_tensor = cms["indexer"].block_table_tensor[:1]
+    before = [b.copy() for b in builder._buffers()]
+    with pytest.raises(ValueError, match=r"\['indexer'\].block_table_tensor"):
+        builder.build(0, cms)
+    for old, new in zip(before, builder._buffers()):
+        np.testing.assert_array_equal(old, new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_captured_step_replays_new_values_like_an_eager_build(kind):
+    """50 replays of random decode steps of the captured shape, each against an
+    eager build of the same step."""
+    import cupy
+    rng = np.random.default_rng(8)
+    like = to_kind(np.zeros(1, I32), kind)
+    captured = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                                num_speculative_tokens=SPEC, like=like)
+    eager = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                             num_speculative_tokens=SPEC, like=like,
+                                             width_policy="capacity")
+    cms = make_step(rng, 8, [], 2, False, kind, decode_len=2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    if kind == "cupy":
+        with stream:
+            captured.build(0, cms, capturing=True)
+            stream.begin_capture()
+            got = captured.build_for_cudagraph_capture(cms)
+            graph = stream.end_capture()
+        replay = lambda: graph.launch(stream)  # noqa: E731
+        sync = stream.synchronize
+    else:
+        import torch
+        torch_graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            captured.build(0, cms, capturing=True)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(torch_graph):
+            got = captured.build_for_cudagraph_capture(cms)
+        replay, sync = torch_graph.replay, torch.cuda.synchronize
+    for _ in range(50):
+        fresh = make_step(rng, 8, [], 2, False, "numpy", decode_len=2)
+        for group, cm in cms.items():       # refresh the captured arrays in place
+            new = fresh[group]
+            for name in ("block_table_tensor", "slot_mapping"):
+                getattr(cm, name)[...] = to_kind(getattr(new, name), kind)
+            cm.max_seq_len, cm.max_query_len = new.max_seq_len, new.max_query_len
+            cm.query_start_loc_cpu[...] = new.query_start_loc_cpu
+        cms["c128a"].query_start_loc[...] = to_kind(fresh["c128a"].query_start_loc_cpu, kind)
+        cms["c128a"].seq_lens[...] = to_kind(fresh["c128a"].seq_lens_cpu, kind)
+        cms["c128a"].positions[...] = to_kind(np.asarray(fresh["c128a"].positions), kind)
+        captured.check_replay(cms)
+        replay()
+        sync()
+        want = eager.build(0, cms, capturing=True)
+        for field in ("req_id_per_token", "is_valid_token", "swa_decode_indices",
+                      "swa_decode_lens", "c4a_slot_mapping", "indexer_slot_mapping",
+                      "indexer_context_lens", "indexer_req_ids", "indexer_block_rows"):
+            np.testing.assert_array_equal(to_numpy(getattr(got, field)),
+                                          to_numpy(getattr(want, field)), err_msg=field)
+        for field in ("c128a_global_decode_topk_indices", "c128a_decode_topk_lens"):
+            np.testing.assert_array_equal(to_numpy(getattr(got.c128a, field)),
+                                          to_numpy(getattr(want.c128a, field)), err_msg=field)
+    bigger = make_step(rng, 9, [], 2, False, kind, decode_len=2)
+    with pytest.raises(ValueError, match="captured shape"):
+        captured.check_replay(bigger)
