@@ -14,6 +14,22 @@ ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
 
 #: Threads of a warp: kernels with one warp per row give each row WARP_LANES threads.
 WARP_LANES = 32
+#: Columns a warp copies of a long row (passed to kernels as DSV4_WARP_PIECE): four
+#: 16-byte stores per lane, so a row of 4096 block ids (1M context) is copied by
+#: 8 warps at once instead of one warp waiting on 8 round trips.
+WARP_PIECE = 512
+
+
+def warp_pieces(columns: int) -> int:
+    """Pieces of WARP_PIECE columns of a row (at least 1, which writes the row's scalars)."""
+    return max(cdiv(columns, WARP_PIECE), 1)
+
+
+def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int) -> int:
+    """Blocks of the indexer's decode metadata: a warp per piece of each token's
+    block-table row, and threads to zero the length buffer past num_tokens."""
+    return elementwise_blocks(max(num_tokens * warp_pieces(columns) * WARP_LANES,
+                                  lengths - num_tokens))
 
 
 def warp_row_blocks(num_rows: int) -> int:

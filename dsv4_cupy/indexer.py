@@ -168,8 +168,7 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
     if kind in arrays.GPU_KINDS:
         if context_len:
             families.INDEXER_DECODE.launch(
-                device, geometry.elementwise_blocks(
-                    max(num_tokens * geometry.WARP_LANES, context_len - num_tokens)),
+                device, geometry.indexer_decode_blocks(num_tokens, cols, context_len),
                 arrays.launch_stream(kind, device),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import device as devices
 from .errors import KernelCompileError
-from .geometry import THREADS
+from .geometry import THREADS, WARP_PIECE
 from .params import MAX_PLAN_CHUNKS, Params
 from .spec import PAD_SLOT_ID
 
@@ -44,7 +44,7 @@ BASE_OPTIONS = ("-std=c++17",)
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 #: The constants kernels share with Python, one definition each.
 DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID,
-                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS}
+                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_WARP_PIECE": WARP_PIECE}
 _C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
 

@@ -33,6 +33,9 @@ DEFAULT_PREFILL_CHUNK_SIZE = 4
 #: SWA-cache rows per block (DeepSeek-V4's sliding-window cache).
 SWA_BLOCK_SIZE = 64
 _MAX_CACHED_STEPS = 256
+#: The C128A group's results (its other fields are the caller's arrays).
+_C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
+                  "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
 
 
 @dataclass
@@ -303,11 +306,10 @@ class DeepseekV4StepMetadataBuilder:
 
     def _step_key(self, cms: dict, capturing: bool):
         """What a decode step's checks depend on, from attributes alone; None
-        for a step that takes the full path every time (prefills, the
-        short-context shortcut)."""
+        for a step that takes the full path every time (prefills, groups that
+        do not share the C128A group's query arrays as the same objects)."""
         try:
-            cm = cms["c128a"]
-            shared = [cms[group] for group in GROUPS]
+            cm, swa, c4a, indexer = cms["c128a"], cms["swa"], cms["c4a"], cms["indexer"]
         except (KeyError, TypeError):
             return None
         base = self.c128a_builder
@@ -316,13 +318,21 @@ class DeepseekV4StepMetadataBuilder:
                 or cm.max_query_len > base.decode_threshold \
                 or not base.treat_short_extends_as_decodes:
             return None
-        short = self._short_context(cm, capturing)
-        width = base.capacity if capturing else base.width(cm.max_seq_len)
-        return arrays.launch_key(
-            base._step_key(cm), width, short, capturing,
-            *(x for other in shared[:3] for x in (
-                other.query_start_loc, other.seq_lens, other.block_table_tensor,
-                other.slot_mapping, other.num_reqs, other.num_actual_tokens)))
+        for other in (swa, c4a, indexer):
+            if type(other) is not CommonAttentionMetadata \
+                    or other.query_start_loc is not cm.query_start_loc \
+                    or other.seq_lens is not cm.seq_lens or other.num_reqs != cm.num_reqs \
+                    or other.num_actual_tokens != cm.num_actual_tokens:
+                return None
+        base_key = base._step_key(cm)
+        groups_key = arrays.launch_key(
+            base.capacity if capturing else base.width(cm.max_seq_len),
+            self._short_context(cm, capturing), capturing, swa.block_table_tensor,
+            swa.slot_mapping, c4a.block_table_tensor, c4a.slot_mapping,
+            indexer.block_table_tensor, indexer.slot_mapping)
+        if base_key is None or groups_key is None:
+            return None
+        return base_key, groups_key
 
     def _short_context(self, cm, capturing: bool) -> bool:
         return not capturing and cm.num_actual_tokens > 0 and \
@@ -451,7 +461,7 @@ class DeepseekV4StepMetadataBuilder:
         metadata = self._metadata(cm, split, views, step)
         if self.kind in arrays.GPU_KINDS:
             call = PreparedCall(self._plans(step, c128a_tokens, valid_tokens), self.kind,
-                                self.device, metadata)
+                                self.device, metadata, _arrays_of(metadata))
             if not call.run():
                 raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
                                    "during the build")
@@ -476,14 +486,15 @@ class DeepseekV4StepMetadataBuilder:
             max_seq_len=cm.max_seq_len, num_decodes=num_decodes, num_prefills=num_prefills,
             num_decode_tokens=nd, num_prefill_tokens=np_tokens,
             req_id_per_token=c128a.req_id_per_token, is_valid_token=self.is_valid_token_buffer[:T],
-            swa_decode_indices=swa_rows[:nd], swa_decode_lens=swa_lens[:nd],
-            swa_prefill_indices=swa_rows[nd:nd + np_tokens],
-            swa_prefill_lens=swa_lens[nd:nd + np_tokens],
             c4a_slot_mapping=self.c4a_slot_mapping_buffer[:T],
             indexer_slot_mapping=self.indexer_slot_mapping_buffer[:T], c128a=c128a)
         if nd:
+            out.swa_decode_indices, out.swa_decode_lens = swa_rows[:nd], swa_lens[:nd]
             out.indexer_context_lens, out.indexer_req_ids = context[:nd], req_ids[:nd]
             out.indexer_decode_lens, out.indexer_block_rows = decode_lens[:nd], block_rows[:nd, :cols]
+        if np_tokens:
+            out.swa_prefill_indices = swa_rows[nd:nd + np_tokens]
+            out.swa_prefill_lens = swa_lens[nd:nd + np_tokens]
         if num_prefills:
             out.prefill_gather_lens = self.prefill_gather_lens_buffer[:num_prefills]
             out.indexer_cu_compressed = cu[:num_prefills + 1]
@@ -593,7 +604,7 @@ class DeepseekV4StepMetadataBuilder:
             table=arrays.block_table_group(indexer_table), context_lens=context, req_ids=req_ids,
             decode_lens=decode_lens, block_rows=block_rows, block_rows_stride=self.max_blocks,
             num_tokens=nd, context_lens_len=n, ratio=C4A_RATIO),
-            geometry.elementwise_blocks(max(nd * geometry.WARP_LANES, n - nd)))
+            geometry.indexer_decode_blocks(nd, indexer_table.shape[1], n))
         if num_prefills:
             qsl_at = ops128["query_start_loc"].ptr + 4 * num_decodes
             seq_at = ops128["seq_lens"].ptr + 4 * num_decodes
@@ -660,6 +671,19 @@ class DeepseekV4StepMetadataBuilder:
                     launches.append({})
                 launches[index // limit][name] = (values, geometry.warp_row_blocks(t1 - t0))
         return launches or [{}]
+
+
+def _arrays_of(metadata: DeepseekV4StepMetadata) -> tuple:
+    """The arrays a build returns, each once (a prepared build watches them for
+    in-place changes)."""
+    found = {}
+    values = [getattr(metadata, field.name) for field in dataclasses.fields(metadata)
+              if field.name != "c128a"]
+    values += [getattr(metadata.c128a, name) for name in _C128A_RESULTS]
+    for value in values:
+        if value is not None and not isinstance(value, (int, list)):
+            found.setdefault(id(value), value)
+    return tuple(found.values())
 
 
 __all__ = ["DeepseekV4StepMetadataBuilder", "DeepseekV4StepMetadata", "GROUPS"]

@@ -1,5 +1,7 @@
 // build_indexer_decode_metadata (vLLM #56562, then DSv4's division by the
-// ratio): one warp per token t < num_tokens. A real token (t < qsl[R]) of
+// ratio): one warp per piece of DSV4_WARP_PIECE block-table columns of each
+// token t < num_tokens (a 1M-context row is 4096 columns); piece 0 writes the
+// token's scalars. A real token (t < qsl[R]) of
 // request b at in-request offset j gets context length
 // max(L - q + j + 1, 0) / ratio, request id b and a copy of block-table row b;
 // a padding token gets length 0, the distinct id R + (t - qsl[R]) and a zero
@@ -13,13 +15,18 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 num_reqs = p.query.num_reqs, mapped = qsl[num_reqs];
     const WarpRows rows(blocks);
-    for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
+    const i64 pieces = p.table.cols > DSV4_WARP_PIECE
+        ? (p.table.cols + DSV4_WARP_PIECE - 1) / DSV4_WARP_PIECE : 1;
+    for (i64 r = rows.first; r < p.num_tokens * pieces; r += rows.step) {
+        const i64 t = quotient(r, pieces);
+        const int c0 = (int)(r - t * pieces) * DSV4_WARP_PIECE;
         const bool real = num_reqs > 0 && t < mapped;
         const int b = real ? request_of(qsl, num_reqs, t) : 0;
         const int* block_row = real ? p.table.entries + (i64)b * p.table.row_stride : nullptr;
-        fill_columns(p.block_rows + t * p.block_rows_stride, 0, (int)p.table.cols, rows.lane, 32,
+        fill_columns(p.block_rows + t * p.block_rows_stride, c0,
+                     (int)min(p.table.cols, (i64)c0 + DSV4_WARP_PIECE), rows.lane, 32,
                      [&](int c) { return real ? block_row[c] : 0; });
-        if (rows.lane == 0) {
+        if (c0 == 0 && rows.lane == 0) {
             if (real) {
                 const i64 qs = qsl[b];
                 const i64 length = (i64)p.query.seq_lens[b] - ((i64)qsl[b + 1] - qs) + (t - qs) + 1;

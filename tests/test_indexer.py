@@ -85,7 +85,9 @@ def test_decode_upstream_grid(kind, query_lens, padding):
     rng = np.random.default_rng(len(query_lens) + padding)
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(int).tolist()
     seq = (np.array(query_lens) + rng.integers(0, 5000, len(query_lens))).tolist()
-    table = rng.integers(0, 1 << 20, (len(query_lens), 9)).astype(I32)
+    # A row past one warp's piece (geometry.WARP_PIECE columns) with padding.
+    columns = 9 if not padding else 1100
+    table = rng.integers(0, 1 << 20, (len(query_lens), columns)).astype(I32)
     run_indexer_decode(kind, qsl, seq, table, qsl[-1] + padding, 4)
 
 

@@ -74,8 +74,10 @@ def composition(cms, builder):
     out = {"req_id_per_token": req, "is_valid_token": valid, "c128a": c128a}
     rows, lens = d4.compute_swa_indices_and_lens(W, qsl, seq, req, valid,
                                                  cms["swa"].block_table_tensor, 64, 0, T)
-    out.update(swa_decode_indices=rows[:nd], swa_decode_lens=lens[:nd],
-               swa_prefill_indices=rows[nd:], swa_prefill_lens=lens[nd:])
+    if nd:
+        out.update(swa_decode_indices=rows[:nd], swa_decode_lens=lens[:nd])
+    if ntp:
+        out.update(swa_prefill_indices=rows[nd:], swa_prefill_lens=lens[nd:])
     for group in ("c4a", "indexer"):
         out[f"{group}_slot_mapping"] = d4.get_compressed_slot_mapping(
             T, qsl, seq, cms[group].block_table_tensor, 64, 4)[:T]
@@ -274,3 +276,36 @@ def test_a_captured_step_replays_new_values_like_an_eager_build(kind):
     bigger = make_step(rng, 9, [], 2, False, kind, decode_len=2)
     with pytest.raises(ValueError, match="captured shape"):
         captured.check_replay(bigger)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
+    """The second build of a step with the same arrays (new values) skips the
+    checks and launches the prepared kernel; its outputs are still the ops'.
+    A returned view changed in place is never handed out again."""
+    rng = np.random.default_rng(9)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    cms = make_step(rng, 8, [], 2, False, kind, decode_len=2)
+    first = builder.build(0, cms)
+    checked = builder._build_checked
+    monkeypatch.setattr(builder, "_build_checked",
+                        lambda *args: pytest.fail("a repeated step took the checked path"))
+    fresh = make_step(rng, 8, [], 2, False, "numpy", decode_len=2)
+    for group, cm in cms.items():
+        for name in ("block_table_tensor", "slot_mapping"):
+            getattr(cm, name)[...] = to_kind(getattr(fresh[group], name), kind)
+    cms["c128a"].seq_lens[...] = to_kind(fresh["c128a"].seq_lens_cpu, kind)
+    poison(builder)
+    got = builder.build(0, cms)
+    assert got is first
+    assert_equal(got, composition(cms, builder))
+    monkeypatch.setattr(builder, "_build_checked", checked)
+    if kind == "cupy":
+        got.indexer_req_ids.shape = (1, got.indexer_req_ids.shape[0])
+    else:
+        got.indexer_req_ids.unsqueeze_(0)
+    again = builder.build(0, cms)
+    assert again.indexer_req_ids.shape == (cms["c128a"].num_actual_tokens,)
