@@ -277,14 +277,30 @@ def block_table_group(op: Operand) -> tuple:
                                      row_stride=row_stride(op) if rows else 0)
 
 
+def _numpy_state(x) -> tuple:
+    return x.shape, x.strides, x.flags.writeable
+
+
+def _torch_state(x) -> tuple:
+    return x.shape, x.stride()
+
+
+def _cupy_state(x) -> tuple:
+    return x.shape, x.strides
+
+
+def state_reader(x):
+    """The function giving ``view_state`` of arrays of x's kind (chosen once,
+    for a view read again and again)."""
+    if type(x) is np.ndarray:
+        return _numpy_state
+    return _torch_state if _family(x) is _TORCH else _cupy_state
+
+
 def view_state(x) -> tuple:
     """What a caller can change in place on a view: shape, strides and, for
     numpy, the writeable flag (cheap: attribute reads only)."""
-    if type(x) is np.ndarray:
-        return x.shape, x.strides, x.flags.writeable
-    if _family(x) is _TORCH:
-        return x.shape, x.stride()
-    return x.shape, x.strides
+    return state_reader(x)(x)
 
 
 def stack_columns(columns: list):

@@ -28,14 +28,15 @@ class PreparedCall:
         self.plans = plans
         self.stream = arrays.stream_getter(kind, device)
         self.results = results
-        self._watched = tuple((view, arrays.view_state(view)) for view in views
-                              if view is not None)
+        self._watched = tuple((view, read, read(view)) for view, read in
+                              ((view, arrays.state_reader(view)) for view in views
+                               if view is not None))
 
     def run(self) -> bool:
         """Launch and return True, or launch nothing and return False when a
         result view was changed in place or a plan cannot run here."""
-        for view, state in self._watched:
-            if arrays.view_state(view) != state:
+        for view, read, state in self._watched:
+            if read(view) != state:
                 return False
         stream = self.stream()
         for index, plan in enumerate(self.plans):

@@ -142,9 +142,11 @@ class DeepseekV4StepMetadataBuilder:
     num_speculative_tokens, treat_short_extends_as_decodes, width_policy
         As for ``DeepseekV4MetadataBuilder`` (the C128A group).
     combined_prefill : bool
-        Also build the combined prefill rows of the C128A and SWA-only layers,
-        once per step (per chunk of the prefill chunk plan), as
-        ``combine_topk_swa_indices`` would per layer.
+        Build the combined prefill rows of the C128A and SWA-only layers once
+        per step (per chunk of the prefill chunk plan), as
+        ``combine_topk_swa_indices`` would per layer. They replace the C128A
+        local prefill rows, which are then not written (``c128a.
+        c128a_prefill_topk_indices`` is None).
     prefill_chunk_size : int
         ``PREFILL_CHUNK_SIZE`` of the chunk plan (4).
     max_num_compressed : int, optional
@@ -446,8 +448,9 @@ class DeepseekV4StepMetadataBuilder:
         c128a_plan, swa_plan, compressed = self._prefill_plans(cm, host_qsl, num_decodes,
                                                                num_prefills)
         short = self._short_context(cm, capturing)
-        c128a_tokens = nd + np_tokens
-        if not c128a_tokens:
+        # The combined rows replace the C128A local prefill rows: those are not written.
+        c128a_tokens = nd if self.combined_prefill else nd + np_tokens
+        if not nd + np_tokens:
             width = 0
         elif capturing:
             width = base.capacity
@@ -477,6 +480,8 @@ class DeepseekV4StepMetadataBuilder:
         num_decodes, num_prefills, nd, np_tokens = split
         T = step["num_tokens"]
         c128a = self.c128a_builder._metadata(cm, split, views)
+        if self.combined_prefill:
+            c128a.c128a_prefill_topk_indices = None
         swa_rows, swa_lens = self.swa_indices_buffer, self.swa_lens_buffer
         context, req_ids, decode_lens, block_rows = self.indexer_decode_buffers
         cu, token_to_seq, ks, ke = self.indexer_prefill_buffers
@@ -573,6 +578,8 @@ class DeepseekV4StepMetadataBuilder:
                                            seq_lens=ops128["seq_lens"].ptr, num_reqs=cms["c128a"].num_reqs)
         values, blocks, variant = base.base_section(cms["c128a"].num_reqs, ops128, T, c128a_tokens,
                                                     nd, step["width"], valid_tokens)
+        if ops128["positions"] is not None:     # the short-context rows read them too
+            variant = (ops128["positions"].dtype, variant[1])
         sections = {"base": (values, blocks)}
         swa_table = groups["swa"]["swa.block_table_tensor"]
         if T:

@@ -4,6 +4,8 @@ group's outputs of random decode, mixed and prefill steps, the combined prefill
 rows per chunk, the short-context rows, and one launch per step on the GPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,7 +33,7 @@ def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", deco
     qsl = np.concatenate([[0], np.cumsum(query)]).astype(I32)
     tokens = int(qsl[-1]) + pad
     positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
-                               [rng.integers(-5, 9, pad)]).astype(I64)
+                               [rng.integers(-5, 9, pad)]).astype(I32 if short else I64)
     groups = {}
     for group, block in (("swa", 64), ("c4a", 256), ("indexer", 256), ("c128a", 256)):
         table = rng.integers(0, 1 << 16, (len(query), -(-MAX_MODEL_LEN // block)), dtype=I32)
@@ -95,6 +97,7 @@ def composition(cms, builder):
         if builder.combined_prefill:
             queries = np.diff(host_qsl[nr:]).astype(I64)
             width = c128a.c128a_prefill_topk_indices.shape[1]
+            out["c128a"] = dataclasses.replace(c128a, c128a_prefill_topk_indices=None)
             for name, ratio, topk in (("c128a", 128, width), ("swa", 1, 0)):
                 plan = d4.get_prefill_chunk_plan(host_seq, queries, ratio,
                                                  builder.prefill_chunk_size, W, MAX_MODEL_LEN,
@@ -149,7 +152,7 @@ def count_launches(monkeypatch):
 
 STEPS = [  # (decodes, prefill query lengths, padding tokens, short context)
     (6, [], 3, False), (1, [], 0, True), (4, [300, 17, 1, 64], 0, False),
-    (0, [500, 2, 9, 33, 120, 7], 0, False), (3, [40, 60], 0, True)]
+    (0, [500, 2, 9, 33, 120, 7], 0, False), (3, [40, 60], 0, True), (0, [40, 60], 0, True)]
 
 
 @pytest.mark.parametrize("kind", KINDS)

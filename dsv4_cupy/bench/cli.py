@@ -285,7 +285,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   f"{r['ours_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")
     if "host" in meta:
         print_host_rows([r for r in rows if "x_floor" in r], meta["host"])
-    print_step_rows([r for r in rows if r.get("op") == "step"])
+    step_rows = [r for r in rows if r.get("op") == "step"]
+    if step_rows:
+        print_step_rows(step_rows)
     print_layer_rows(rows)
     for r in rows:
         if "numba_ms" in r:
