@@ -1,9 +1,25 @@
 """The "whole step" cases: every group's metadata of a step from
-``DeepseekV4StepMetadataBuilder`` against the C128A group's build alone, GPU
-(graph replay) and host (eager) time, and launches per step."""
+``DeepseekV4StepMetadataBuilder`` against upstream's sequence for the same
+step and against the C128A group's build alone: GPU (graph replay) and host
+(eager) time, and launches per step.
+
+Upstream's sequence (``upstream_sequence``) is what vLLM runs per step: one
+builder per KV-cache group (the SWA builder's host token map copied to the
+device, ``slot_mapping >= 0``, its length fill and its SWA kernels; the C4A,
+indexer and C128A slot mappings; the indexer's decode metadata; the C128A
+builder's own token-map copy and C128A kernel), then, with prefills, the
+combine of every C128A and SWA-only layer per chunk (20 and 2 layers in
+DeepSeek-V4-Flash). The SWA and combine kernels are the bench's Triton ports;
+the others are this library's single ops, which are at least as fast as
+upstream's kernels in this bench, so the comparison favours upstream.
+"""
 from __future__ import annotations
 
 import numpy as np
+
+#: DeepSeek-V4-Flash's layers whose prefill rows upstream combines once per layer.
+C128A_LAYERS, SWA_ONLY_LAYERS = 20, 2
+WINDOW, SWA_BLOCK, C4A_BLOCK, C128A_BLOCK = 128, 64, 64, 2
 
 #: (case, decode requests, tokens per decode, prefill query lengths)
 STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x1", 64, 1, []),
@@ -30,10 +46,92 @@ def _group_metadata(torch, d4, step, rng):
     return groups
 
 
+def upstream_sequence(torch, d4, ports, step, cms, spec: int, max_model_len: int,
+                      max_tokens: int):
+    """``(run, launches, outputs)``: upstream's per-step sequence on this step's
+    arrays, its launch count, and the outputs the bench compares with the step
+    builder's (SWA decode rows and lengths; the combined rows with prefills)."""
+    dev = torch.device("cuda")
+    cm = cms["c128a"]
+    qsl, seq, positions, T = cm.query_start_loc, cm.seq_lens, cm.positions, cm.num_actual_tokens
+    host_qsl = step["qsl"]
+    nr, npf, nd, ntp = d4.split_decodes_and_prefills(host_qsl, 1 + spec)
+    host_t2r = torch.from_numpy(np.repeat(np.arange(len(step["seq"]), dtype=np.int32),
+                                          np.diff(host_qsl))).pin_memory()
+    i32 = dict(dtype=torch.int32, device=dev)
+    t2r, t2r_c128a = torch.empty(T, **i32), torch.empty(T, **i32)
+    valid = torch.empty(T, dtype=torch.bool, device=dev)
+    swa_rows, swa_lens = torch.full((T, WINDOW), -1, **i32), torch.zeros(max_tokens, **i32)
+    slots = {group: torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+             for group in ("c4a", "indexer", "c128a")}
+    indexer_table = cms["indexer"].block_table_tensor
+    indexer_out = (torch.zeros(max_tokens, **i32), torch.zeros(nd, **i32),
+                   torch.zeros(nd, **i32), torch.zeros(nd, indexer_table.shape[1], **i32))
+    capacity = d4.c128a_capacity(max_model_len)
+    width = d4.c128a_active_width(cm.max_seq_len, capacity)
+    c128a_out = (torch.full((nd, width), -1, **i32), torch.zeros(nd, **i32),
+                 torch.full((ntp, width), -1, **i32))
+    decode_qsl = qsl[:nr + 1]
+    gather = torch.zeros(max(npf, 1), **i32)
+    combines = []            # (out, lens, local rows, qsl, seq, gather, ratio, topk, M, N, layers)
+    outputs = [swa_rows[:nd], swa_lens[:nd]]
+    if npf:
+        host_seq = step["seq"][nr:].astype(np.int64)
+        queries = np.diff(host_qsl[nr:]).astype(np.int64)
+        first = int(host_qsl[nr])
+        no_rows = torch.zeros(ntp, 0, **i32)
+        for ratio, topk, local, layers in ((128, width, c128a_out[2], C128A_LAYERS),
+                                           (1, 0, no_rows, SWA_ONLY_LAYERS)):
+            out = (torch.full((ntp, d4.combine.combined_width(topk, WINDOW)), -1, **i32),
+                   torch.zeros(ntp, **i32))
+            outputs += out
+            for start, end, N, M in d4.get_prefill_chunk_plan(
+                    host_seq, queries, ratio, 4, WINDOW, max_model_len, max_tokens):
+                a, b = nr + start, nr + end
+                t0, t1 = int(host_qsl[a]) - first, int(host_qsl[b]) - first
+                combines.append((out[0][t0:t1], out[1][t0:t1], local[t0:t1], qsl[a:b + 1],
+                                 seq[a:b], gather[start:end], ratio, topk, M, N, layers))
+
+    def run():
+        t2r.copy_(host_t2r, non_blocking=True)                 # SWA builder
+        torch.ge(cms["swa"].slot_mapping[:T], 0, out=valid)
+        swa_lens[nd:].fill_(0)
+        swa_table = cms["swa"].block_table_tensor
+        ports.swa_indices_and_lens(swa_rows, swa_lens, WINDOW, qsl, seq, t2r, valid, swa_table,
+                                   SWA_BLOCK, 0, nd)
+        if ntp:
+            ports.swa_indices_and_lens(swa_rows[nd:], swa_lens[nd:], WINDOW, qsl, seq, t2r,
+                                       valid, swa_table, SWA_BLOCK, nd, ntp)
+            d4.compute_prefill_gather_lens(qsl, seq, nr, npf, WINDOW, out=gather)
+        for group, block, ratio in (("c4a", C4A_BLOCK, 4), ("indexer", C4A_BLOCK, 4),
+                                    ("c128a", C128A_BLOCK, 128)):          # the other builders
+            d4.get_compressed_slot_mapping(T, qsl, seq, cms[group].block_table_tensor, block,
+                                           ratio, out=slots[group])
+        if nd:
+            d4.build_indexer_decode_metadata(decode_qsl, seq, indexer_table, nd, 4,
+                                             out=indexer_out)
+        t2r_c128a.copy_(host_t2r, non_blocking=True)
+        d4.build_c128a_topk_metadata(positions, 128, nd, t2r_c128a, cm.block_table_tensor,
+                                     C128A_BLOCK, cm.slot_mapping, *c128a_out)
+        for out, lens, local, chunk_qsl, chunk_seq, chunk_gather, ratio, topk, M, N, layers \
+                in combines:                                   # per layer, per chunk
+            for _ in range(layers):
+                ports.combine_topk_swa_indices(out, lens, local, chunk_qsl, chunk_seq,
+                                               chunk_gather, WINDOW, ratio, topk, M, N)
+
+    launches = (3 + bool(nd) + 2 * bool(ntp) + 3 + bool(nd) + 2
+                + sum(layers for *_, layers in combines))
+    return run, launches, outputs
+
+
 def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
               launch_floor_us: float) -> list[dict]:
     import dsv4_cupy as d4
     from dsv4_cupy import loader
+    try:
+        from . import triton_ports as ports
+    except ImportError:
+        ports = None
 
     rows = []
     for index, (name, requests, query, prefills) in enumerate(STEP_CASES):
@@ -54,17 +152,41 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
             loader.LaunchPlan.run = run
         row = {"op": "step", "case": name, "tokens": step["positions"].shape[0],
                "launches": len(launches)}
-        for who, fn in (("c128a", lambda: c128a.build(0, cms["c128a"])),
-                        ("step", lambda: whole.build(0, cms))):
+        timed = [("c128a", lambda: c128a.build(0, cms["c128a"])),
+                 ("step", lambda: whole.build(0, cms))]
+        if ports is not None:
+            upstream, row["upstream_launches"], upstream_out = upstream_sequence(
+                torch, d4, ports, step, cms, spec, max_model_len, max_tokens)
+            timed.append(("upstream", upstream))
+        for who, fn in timed:
             row[f"{who}_graph_us"] = timer.graph_us(fn)
             row[f"{who}_host_us"] = timer.host_us(fn)
         row["x_c128a_gpu"] = row["step_graph_us"] / row["c128a_graph_us"]
         row["step_x_floor"] = row["step_host_us"] / launch_floor_us
+        if ports is not None:
+            got = whole.build(0, cms)
+            ours = [got.swa_decode_indices[:, 0], got.swa_decode_lens]
+            if prefills:
+                ours += [got.c128a_combined_indices, got.c128a_combined_lens,
+                         got.swa_combined_indices, got.swa_combined_lens]
+            row["upstream_same"] = all(bool(torch.equal(a, b)) for a, b in zip(ours, upstream_out))
+            row["x_upstream_gpu"] = row["upstream_graph_us"] / row["step_graph_us"]
+            row["x_upstream_host"] = row["upstream_host_us"] / row["step_host_us"]
         rows.append(row)
     return rows
 
 
 def print_step_rows(rows: list[dict]) -> None:
+    if rows and "upstream_graph_us" in rows[0]:
+        print("\nwhole step against upstream's sequence (per-group builders, per-layer combines)")
+        print(f"{'case':16} {'launches':>8} {'upstream':>8} {'step gpu':>9} {'upstream gpu':>12} "
+              f"{'x':>6} {'step host':>10} {'upstream host':>13} {'x':>6} {'same':>5}")
+        for r in rows:
+            print(f"{r['case']:16} {r['launches']:8d} {r['upstream_launches']:8d} "
+                  f"{r['step_graph_us']:9.2f} {r['upstream_graph_us']:12.2f} "
+                  f"{r['x_upstream_gpu']:6.2f} {r['step_host_us']:10.2f} "
+                  f"{r['upstream_host_us']:13.2f} {r['x_upstream_host']:6.2f} "
+                  f"{str(r['upstream_same']):>5}")
     print("\nwhole step: every group's metadata in one build (DeepseekV4StepMetadataBuilder) "
           "against the C128A group's build alone")
     print(f"{'case':16} {'tokens':>6} {'launches':>8} {'c128a gpu':>10} {'step gpu':>9} "
