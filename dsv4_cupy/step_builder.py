@@ -20,7 +20,7 @@ from .prepared import PlanCache, PreparedCall
 from .scalars import check_int
 from .slot_mapping import get_compressed_slot_mapping
 from .split import host_prefilling as host_prefilling_view
-from .spec import KV_BLOCK_SIZE, cdiv
+from .spec import KV_BLOCK_SIZE, MAX_BLOCK_SIZE, cdiv
 from .step_kernel import step_plan
 from .swa import compute_swa_indices_and_lens
 
@@ -171,7 +171,8 @@ class DeepseekV4StepMetadataBuilder:
         base = self.c128a_builder
         self.kind, self.device = base.kind, base.device
         self.max_model_len, self.max_num_batched_tokens = base.max_model_len, base.max_num_batched_tokens
-        self.swa_block_size = check_int("swa_block_size", swa_block_size, minimum=1)
+        self.swa_block_size = check_int("swa_block_size", swa_block_size, minimum=1,
+                                        maximum=MAX_BLOCK_SIZE)
         self.window_size = arrays.check_row_width("window_size", window_size, minimum=1)
         self.index_topk = base.topk_tokens
         self.c4a_block_size = check_int("block_size", block_size, minimum=C4A_RATIO) // C4A_RATIO
@@ -206,21 +207,38 @@ class DeepseekV4StepMetadataBuilder:
             self.swa_combined_buffers = (buffer((n, combined_width(0, W)), INT32, -1),
                                          buffer((n,), INT32, 0))
         self.short_context_buffer = buffer((n, self.index_topk), INT32, -1)
-        self._owned = [arrays.probe(f"buffer {i}", x) for i, x in enumerate(self._buffers())]
-        self._ptr = {id(x): op.ptr for x, op in zip(self._buffers(), self._owned)}
+        buffers = self.buffers()
+        self._owned = [arrays.probe(f"the builder's {name}", x) for name, x in buffers.items()]
+        self._ptr = {id(x): op.ptr for x, op in zip(buffers.values(), self._owned)}
         self._prepared = (PlanCache(_MAX_CACHED_STEPS) if self.kind in arrays.GPU_KINDS
                           else None)
         self._captured = None
 
-    def _buffers(self) -> list:
-        out = [self.is_valid_token_buffer, self.swa_indices_buffer, self.swa_lens_buffer,
-               self.prefill_gather_lens_buffer, self.c4a_slot_mapping_buffer,
-               self.indexer_slot_mapping_buffer, *self.indexer_decode_buffers,
-               *self.indexer_prefill_buffers, self.short_context_buffer]
-        for pair in (self.c128a_combined_buffers, self.swa_combined_buffers):
-            if pair is not None:
-                out.extend(pair)
-        return out + [op.array for op in self.c128a_builder._buffer_ops if op is not None]
+    def buffers(self) -> dict:
+        """Every persistent buffer the builds write, by name (the C128A group's
+        builder's too)."""
+        out = {"is_valid_token_buffer": self.is_valid_token_buffer,
+               "swa_indices_buffer": self.swa_indices_buffer,
+               "swa_lens_buffer": self.swa_lens_buffer,
+               "prefill_gather_lens_buffer": self.prefill_gather_lens_buffer,
+               "c4a_slot_mapping_buffer": self.c4a_slot_mapping_buffer,
+               "indexer_slot_mapping_buffer": self.indexer_slot_mapping_buffer,
+               "short_context_buffer": self.short_context_buffer}
+        for group, names in (
+                ("indexer_decode_buffers", ("context_lens", "req_ids", "decode_lens", "block_rows")),
+                ("indexer_prefill_buffers", ("cu_compressed", "token_to_seq", "cu_seqlen_ks",
+                                             "cu_seqlen_ke")),
+                ("c128a_combined_buffers", ("indices", "lens")),
+                ("swa_combined_buffers", ("indices", "lens"))):
+            arrays_of_group = getattr(self, group)
+            if arrays_of_group is not None:
+                out.update((f"{group}[{name}]", x) for name, x in zip(names, arrays_of_group))
+        base = self.c128a_builder
+        for name in ("req_id_per_token_buffer", "compressed_slot_mapping_buffer",
+                     "c128a_global_decode_buffer", "c128a_decode_lens_buffer",
+                     "c128a_prefill_buffer"):
+            out[f"c128a_builder.{name}"] = getattr(base, name)
+        return out
 
     # --- the public build --------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: dict,
@@ -232,7 +250,8 @@ class DeepseekV4StepMetadataBuilder:
         the C128A width is the capacity and the short-context shortcut is not
         taken (vLLM #52492); use ``build_for_cudagraph_capture``. On the GPU,
         a decode step whose arrays have the layouts of an earlier one reuses
-        its checks and prepared launch.
+        its checks and prepared launch, and returns the same
+        ``DeepseekV4StepMetadata`` object.
         """
         if self._prepared is not None and type(common_attn_metadata) is dict:
             key = self._step_key(common_attn_metadata, capturing)

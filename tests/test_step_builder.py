@@ -55,7 +55,7 @@ def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", deco
 
 
 def poison(builder):
-    for buffer in builder._buffers():
+    for buffer in builder.buffers().values():
         buffer[...] = True if buffer.dtype in (np.bool_,) or str(buffer.dtype) == "torch.bool" \
             else POISON
 
@@ -212,11 +212,15 @@ def test_bad_steps_are_refused_naming_the_group():
     with pytest.raises(ValueError, match="seq_lens_cpu: required"):
         builder.build(0, cms)
     cms = make_step(rng, 2, [30])
+    cms["swa"].slot_mapping = builder.c4a_slot_mapping_buffer      # an output as an input
+    with pytest.raises(ValueError, match="c4a_slot_mapping_buffer: output memory overlaps"):
+        builder.build(0, cms)
+    cms = make_step(rng, 2, [30])
     cms["indexer"].block_table_tensor = cms["indexer"].block_table_tensor[:1]
-    before = [b.copy() for b in builder._buffers()]
+    before = [b.copy() for b in builder.buffers().values()]
     with pytest.raises(ValueError, match=r"\['indexer'\].block_table_tensor"):
         builder.build(0, cms)
-    for old, new in zip(before, builder._buffers()):
+    for old, new in zip(before, builder.buffers().values()):
         np.testing.assert_array_equal(old, new)
 
 
