@@ -185,14 +185,7 @@ class DeepseekV4MetadataBuilder:
         fit; replaying a step that does not fit would give stale rows.
         """
         cm = common_attn_metadata
-        if self.kind not in arrays.GPU_KINDS:
-            raise TypeError("build_for_cudagraph_capture: expected a builder of GPU buffers "
-                            f"(like='torch' on CUDA or 'cupy'), this one holds {self.kind} arrays")
-        if not (cm.num_reqs and cm.max_query_len <= self.decode_threshold
-                and self.treat_short_extends_as_decodes):
-            raise ValueError(f"common_attn_metadata: a captured build needs a uniform decode "
-                             f"batch (num_reqs > 0, max_query_len <= {self.decode_threshold}), "
-                             f"got num_reqs={cm.num_reqs}, max_query_len={cm.max_query_len}")
+        self.check_capturable(cm)
         self._capturing = True
         try:
             metadata = self._build_checked(cm)
@@ -211,20 +204,42 @@ class DeepseekV4MetadataBuilder:
             raise ValueError("check_replay: nothing was captured (call "
                              "build_for_cudagraph_capture inside the graph capture first)")
         key, num_reqs, num_tokens = self._captured
+        self.check_captured_shape(cm, num_reqs, num_tokens)
+        if self._step_key(cm) != key:
+            raise ValueError("common_attn_metadata: expected the buffers the graph was captured "
+                             "with (same addresses, shapes, strides and dtypes); refresh them "
+                             "in place")
+
+    def uniform_decode(self, cm: CommonAttentionMetadata) -> bool:
+        """Whether the step is decodes only, decided from host ints alone."""
+        return bool(cm.num_reqs) and cm.max_query_len <= self.decode_threshold \
+            and self.treat_short_extends_as_decodes
+
+    def check_capturable(self, cm: CommonAttentionMetadata) -> None:
+        """Raise unless a build of this step can be captured: GPU buffers and a
+        uniform decode batch (the split of a prefill is a host decision)."""
+        if self.kind not in arrays.GPU_KINDS:
+            raise TypeError("build_for_cudagraph_capture: expected a builder of GPU buffers "
+                            f"(like='torch' on CUDA or 'cupy'), this one holds {self.kind} arrays")
+        if not self.uniform_decode(cm):
+            raise ValueError(f"common_attn_metadata: a captured build needs a uniform decode "
+                             f"batch (num_reqs > 0, max_query_len <= {self.decode_threshold}), "
+                             f"got num_reqs={cm.num_reqs}, max_query_len={cm.max_query_len}")
+
+    def check_captured_shape(self, cm: CommonAttentionMetadata, num_reqs: int,
+                             num_tokens: int) -> None:
+        """Raise unless the step has the captured counts, is a uniform decode
+        step and fits the C128A capacity (host values only)."""
         if (cm.num_reqs, cm.num_actual_tokens) != (num_reqs, num_tokens):
             raise ValueError(f"common_attn_metadata: expected the captured shape num_reqs="
                              f"{num_reqs}, num_actual_tokens={num_tokens}, got "
                              f"{cm.num_reqs}, {cm.num_actual_tokens}; pad the step to it")
-        if not (cm.max_query_len <= self.decode_threshold and self.treat_short_extends_as_decodes):
+        if not self.uniform_decode(cm):
             raise ValueError(f"max_query_len: expected a uniform decode step (at most "
                              f"{self.decode_threshold}), got {cm.max_query_len}")
         if cm.max_seq_len > self.capacity * 128:
             raise ValueError(f"max_seq_len: expected at most {self.capacity * 128} (the C128A "
                              f"capacity), got {cm.max_seq_len}")
-        if self._step_key(cm) != key:
-            raise ValueError("common_attn_metadata: expected the buffers the graph was captured "
-                             "with (same addresses, shapes, strides and dtypes); refresh them "
-                             "in place")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DeepseekV4Metadata:
@@ -312,9 +327,7 @@ class DeepseekV4MetadataBuilder:
     def _split(self, cm, host_qsl, host_prefilling) -> tuple[int, int, int, int]:
         """(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)."""
         num_tokens = cm.num_actual_tokens
-        if (cm.num_reqs and cm.max_query_len <= self.decode_threshold
-                and self.treat_short_extends_as_decodes):
-            # A pure decode step, decided from host ints alone (the usual case).
+        if self.uniform_decode(cm):             # the usual case
             return cm.num_reqs, 0, num_tokens, 0
         split = split_host(host_qsl[:cm.num_reqs + 1], self.decode_threshold, False, num_tokens,
                            cm.max_query_len, host_prefilling)

@@ -121,7 +121,9 @@ class DeepseekV4StepMetadataBuilder:
     to that group's builder, by group name: ``{"swa": ..., "c4a": ...,
     "indexer": ..., "c128a": ...}``. They share the query layout
     (``query_start_loc``, ``seq_lens``, ``positions``, counts); each has its
-    own ``block_table_tensor`` and ``slot_mapping``. A step with prefills
+    own ``block_table_tensor`` and ``slot_mapping`` (read for the SWA and
+    C128A groups; the C4A and indexer compressed slot mappings come from
+    their block tables, as the seed builder's do). A step with prefills
     needs ``seq_lens_cpu`` (host) on the C128A group's metadata: the chunk
     plans and the indexer's compressed-row count are host decisions.
 
@@ -259,6 +261,9 @@ class DeepseekV4StepMetadataBuilder:
             if prepared is not None:
                 call, metadata = prepared
                 if call.run():
+                    cm = common_attn_metadata["c128a"]     # host ints outside the key
+                    for holder in (metadata, metadata.c128a):
+                        holder.max_query_len, holder.max_seq_len = cm.max_query_len, cm.max_seq_len
                     return metadata
         return self._build_checked(common_attn_metadata, bool(capturing))
 
@@ -271,18 +276,14 @@ class DeepseekV4StepMetadataBuilder:
         ``num_reqs``, ``num_actual_tokens`` and the buffers' addresses.
         ``check_replay`` says whether a step fits the capture."""
         cm = self._group_metadata(common_attn_metadata)["c128a"]
-        if self.kind not in arrays.GPU_KINDS:
-            raise TypeError("build_for_cudagraph_capture: expected a builder of GPU buffers "
-                            f"(like='torch' on CUDA or 'cupy'), this one holds {self.kind} arrays")
-        base = self.c128a_builder
-        if not (cm.num_reqs and cm.max_query_len <= base.decode_threshold
-                and base.treat_short_extends_as_decodes):
-            raise ValueError(f"common_attn_metadata: a captured build needs a uniform decode "
-                             f"batch (num_reqs > 0, max_query_len <= {base.decode_threshold}), "
-                             f"got num_reqs={cm.num_reqs}, max_query_len={cm.max_query_len}")
+        self.c128a_builder.check_capturable(cm)
         metadata = self._build_checked(common_attn_metadata, True)
-        self._captured = (self._step_key(common_attn_metadata, True), cm.num_reqs,
-                          cm.num_actual_tokens)
+        key = self._step_key(common_attn_metadata, True)
+        if key is None:
+            raise ValueError("common_attn_metadata: a captured build needs every group to hold "
+                             "the C128A group's query_start_loc and seq_lens objects (check_replay "
+                             "compares the arrays by their attributes)")
+        self._captured = (key, cm.num_reqs, cm.num_actual_tokens)
         return metadata
 
     def check_replay(self, common_attn_metadata: dict) -> None:
@@ -294,18 +295,8 @@ class DeepseekV4StepMetadataBuilder:
             raise ValueError("check_replay: nothing was captured (call "
                              "build_for_cudagraph_capture inside the graph capture first)")
         cms = self._group_metadata(common_attn_metadata)
-        cm, base = cms["c128a"], self.c128a_builder
         key, num_reqs, num_tokens = captured
-        if (cm.num_reqs, cm.num_actual_tokens) != (num_reqs, num_tokens):
-            raise ValueError(f"common_attn_metadata: expected the captured shape num_reqs="
-                             f"{num_reqs}, num_actual_tokens={num_tokens}, got "
-                             f"{cm.num_reqs}, {cm.num_actual_tokens}; pad the step to it")
-        if cm.max_query_len > base.decode_threshold:
-            raise ValueError(f"max_query_len: expected a uniform decode step (at most "
-                             f"{base.decode_threshold}), got {cm.max_query_len}")
-        if cm.max_seq_len > base.capacity * 128:
-            raise ValueError(f"max_seq_len: expected at most {base.capacity * 128} (the C128A "
-                             f"capacity), got {cm.max_seq_len}")
+        self.c128a_builder.check_captured_shape(cms["c128a"], num_reqs, num_tokens)
         if self._step_key(cms, True) != key:
             raise ValueError("common_attn_metadata: expected the arrays the graph was captured "
                              "with (same addresses, shapes, strides and dtypes); refresh them "
@@ -334,10 +325,9 @@ class DeepseekV4StepMetadataBuilder:
         except (KeyError, TypeError):
             return None
         base = self.c128a_builder
-        if type(cm) is not CommonAttentionMetadata or type(cm.max_query_len) is not int \
-                or type(cm.max_seq_len) is not int or not cm.num_reqs \
-                or cm.max_query_len > base.decode_threshold \
-                or not base.treat_short_extends_as_decodes:
+        if len(cms) != len(GROUPS) or type(cm) is not CommonAttentionMetadata \
+                or type(cm.max_query_len) is not int or type(cm.max_seq_len) is not int \
+                or cm.max_query_len < 0 or cm.max_seq_len < 0 or not base.uniform_decode(cm):
             return None
         for other in (swa, c4a, indexer):
             if type(other) is not CommonAttentionMetadata \
@@ -347,13 +337,17 @@ class DeepseekV4StepMetadataBuilder:
                 return None
         base_key = base._step_key(cm)
         groups_key = arrays.launch_key(
-            base.capacity if capturing else base.width(cm.max_seq_len),
-            self._short_context(cm, capturing), capturing, swa.block_table_tensor,
-            swa.slot_mapping, c4a.block_table_tensor, c4a.slot_mapping,
-            indexer.block_table_tensor, indexer.slot_mapping)
+            self._width(cm, capturing), self._short_context(cm, capturing), capturing,
+            swa.block_table_tensor, swa.slot_mapping, c4a.block_table_tensor,
+            indexer.block_table_tensor)
         if base_key is None or groups_key is None:
             return None
         return base_key, groups_key
+
+    def _width(self, cm, capturing: bool) -> int:
+        """C128A columns written: the capacity in a captured build (a step's
+        live width varies), else the builder's width policy."""
+        return self.c128a_builder.capacity if capturing else self.c128a_builder.width(cm.max_seq_len)
 
     def _short_context(self, cm, capturing: bool) -> bool:
         return not capturing and cm.num_actual_tokens > 0 and \
@@ -373,10 +367,12 @@ class DeepseekV4StepMetadataBuilder:
                                  f"(num_reqs={cm128.num_reqs}, num_actual_tokens="
                                  f"{cm128.num_actual_tokens}), got ({cm.num_reqs}, "
                                  f"{cm.num_actual_tokens})")
+            # Only the SWA group's slot mapping is read (its tokens' validity); the
+            # compressed slot mappings come from the block tables.
             kind, device, ops = arrays.probe_all({
                 f"{group}.query_start_loc": cm.query_start_loc, f"{group}.seq_lens": cm.seq_lens,
                 f"{group}.block_table_tensor": cm.block_table_tensor,
-                f"{group}.slot_mapping": cm.slot_mapping})
+                f"{group}.slot_mapping": cm.slot_mapping if group == "swa" else None})
             if (kind, device) != (self.kind, self.device):
                 raise TypeError(f"common_attn_metadata[{group!r}]: expected arrays like the "
                                 f"builder's buffers ({arrays.describe(self.swa_lens_buffer)}), "
@@ -394,13 +390,12 @@ class DeepseekV4StepMetadataBuilder:
                 raise ValueError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
                                  f"at most num_reqs ({cm.num_reqs}) rows, got shape "
                                  f"{tuple(table.shape)}")
-            slots = ops[f"{group}.slot_mapping"]
-            arrays.check(slots, SLOT_MAPPING_AXIS[1], 1, min_len=cm.num_actual_tokens)
-            if slots.dtype != ops128["slot_mapping"].dtype:
-                raise TypeError(f"common_attn_metadata[{group!r}].slot_mapping: expected the "
-                                f"C128A group's dtype {ops128['slot_mapping'].dtype}, got "
-                                f"{slots.dtype}")
             probed[group] = ops
+        slots = probed["swa"]["swa.slot_mapping"]
+        arrays.check(slots, SLOT_MAPPING_AXIS[1], 1, min_len=cm128.num_actual_tokens)
+        if slots.dtype != ops128["slot_mapping"].dtype:
+            raise TypeError(f"common_attn_metadata['swa'].slot_mapping: expected the C128A "
+                            f"group's dtype {ops128['slot_mapping'].dtype}, got {slots.dtype}")
         indexer_table = probed["indexer"]["indexer.block_table_tensor"]
         if indexer_table.shape[1] > self.max_blocks:
             raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected at "
@@ -408,7 +403,8 @@ class DeepseekV4StepMetadataBuilder:
                              f" got shape {tuple(indexer_table.shape)}")
         return probed
 
-    def _prefill_plans(self, cm, host_qsl, num_decodes: int, num_prefills: int):
+    def _prefill_plans(self, cm, host_qsl, num_decodes: int, num_prefills: int,
+                       num_prefill_tokens: int):
         """``(c128a plan, swa plan, compressed rows of the indexer)`` from host data."""
         if not num_prefills:
             return None, None, 0
@@ -425,6 +421,10 @@ class DeepseekV4StepMetadataBuilder:
         seq = seq.astype(np.int64)
         queries = np.diff(np.asarray(host_qsl[num_decodes:num_decodes + num_prefills + 1],
                                      np.int64))
+        if queries.min() < 0 or queries.sum() > num_prefill_tokens:
+            raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
+                             f"lengths >= 0 and at most num_prefill_tokens="
+                             f"{num_prefill_tokens} in all, got {queries.tolist()}")
         compressed = int(np.maximum(seq // C4A_RATIO, 0).sum())
         if compressed > self.max_num_compressed:
             raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
@@ -465,16 +465,11 @@ class DeepseekV4StepMetadataBuilder:
                              f"row for each of the {num_decodes} decode requests, got "
                              f"{indexer_rows} rows")
         c128a_plan, swa_plan, compressed = self._prefill_plans(cm, host_qsl, num_decodes,
-                                                               num_prefills)
+                                                               num_prefills, np_tokens)
         short = self._short_context(cm, capturing)
         # The combined rows replace the C128A local prefill rows: those are not written.
         c128a_tokens = nd if self.combined_prefill else nd + np_tokens
-        if not nd + np_tokens:
-            width = 0
-        elif capturing:
-            width = base.capacity
-        else:
-            width = base.width(cm.max_seq_len)
+        width = self._width(cm, capturing) if nd + np_tokens else 0
         valid_tokens = base._valid_tokens(cm, host_qsl)
         views = base._result_views(num_tokens, nd, np_tokens, width)
         step = dict(cms=cms, ops128=ops128, groups=groups, split=split, width=width,
@@ -488,7 +483,7 @@ class DeepseekV4StepMetadataBuilder:
                 raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
                                    "during the build")
             key = self._step_key(cms, capturing)
-            if key is not None and not num_prefills:
+            if key is not None:                       # decode steps only
                 self._prepared.put(key, (call, metadata))
         else:
             base._run_cpu(cm, num_tokens, c128a_tokens, nd, width, valid_tokens)
@@ -572,14 +567,24 @@ class DeepseekV4StepMetadataBuilder:
             fill_short_context_topk_indices(cm.positions, self.index_topk, C4A_RATIO, T,
                                             out=self.short_context_buffer)
 
-    def _combine_chunks(self, step, num_decodes, buffers, plan, topk, ratio) -> None:
-        cm, host_qsl = step["cms"]["c128a"], step["host_qsl"]
+    @staticmethod
+    def _chunk_rows(step, num_decodes: int, plan) -> list[tuple]:
+        """``(start, end, N, M, t0, t1)`` per chunk: its prefill rows ``[t0, t1)``;
+        the last chunk also takes the step's padding rows (all -1, length 0)."""
+        host_qsl, num_prefill_tokens = step["host_qsl"], step["split"][3]
         first = int(host_qsl[num_decodes])
+        rows = [(start, end, N, M, int(host_qsl[num_decodes + start]) - first,
+                 int(host_qsl[num_decodes + end]) - first) for start, end, N, M in plan]
+        if rows:
+            rows[-1] = rows[-1][:5] + (num_prefill_tokens,)
+        return rows
+
+    def _combine_chunks(self, step, num_decodes, buffers, plan, topk, ratio) -> None:
+        cm = step["cms"]["c128a"]
         rows, lens = buffers
         gather = self.prefill_gather_lens_buffer
-        for start, end, N, M in plan:
+        for start, end, N, M, t0, t1 in self._chunk_rows(step, num_decodes, plan):
             a, b = num_decodes + start, num_decodes + end
-            t0, t1 = int(host_qsl[a]) - first, int(host_qsl[b]) - first
             build_c128a_combined_prefill_rows(
                 t1 - t0, cm.query_start_loc[a:b + 1], cm.seq_lens[a:b], gather[start:end],
                 self.window_size, ratio, topk, M, N, out=(rows[t0:t1], lens[t0:t1]))
@@ -665,8 +670,7 @@ class DeepseekV4StepMetadataBuilder:
     def _combine_sections(self, step, num_decodes, ops128) -> list[dict]:
         """The combine sections of each launch: at most MAX_PLAN_CHUNKS chunks
         of each plan per launch."""
-        host_qsl, W, limit = step["host_qsl"], self.window_size, params.MAX_PLAN_CHUNKS
-        first = int(host_qsl[num_decodes])
+        W, limit = self.window_size, params.MAX_PLAN_CHUNKS
         launches = []
         for name, plan, buffers, topk, ratio in (
                 ("c128a_combine", step["c128a_plan"], self.c128a_combined_buffers,
@@ -674,10 +678,11 @@ class DeepseekV4StepMetadataBuilder:
                 ("swa_combine", step["swa_plan"], self.swa_combined_buffers, 0, 0)):
             rows, lens = buffers
             width, stride = combined_width(topk, W), arrays.probe("rows", rows).strides[0]
-            for index in range(0, len(plan), limit):
-                piece = plan[index:index + limit]
+            chunk_rows = self._chunk_rows(step, num_decodes, plan)
+            for index in range(0, len(chunk_rows), limit):
+                piece = chunk_rows[index:index + limit]
                 a, b = num_decodes + piece[0][0], num_decodes + piece[-1][1]
-                t0, t1 = int(host_qsl[a]) - first, int(host_qsl[b]) - first
+                t0, t1 = piece[0][4], piece[-1][5]
                 pad = [0] * (limit - len(piece))
                 values = params.PREFILL_COMBINE.values(
                     rows=params.COMBINE.values(
@@ -690,9 +695,9 @@ class DeepseekV4StepMetadataBuilder:
                         rows_per_request=0, swa_offset=0),
                     plan=params.PREFILL_PLAN.values(
                         chunks=len(piece),
-                        first_request=[start - piece[0][0] for start, _, _, _ in piece] + pad,
-                        rows_per_request=[M for _, _, _, M in piece] + pad,
-                        swa_offset=[N for _, _, N, _ in piece] + pad))
+                        first_request=[chunk[0] - piece[0][0] for chunk in piece] + pad,
+                        rows_per_request=[chunk[3] for chunk in piece] + pad,
+                        swa_offset=[chunk[2] for chunk in piece] + pad))
                 if len(launches) <= index // limit:
                     launches.append({})
                 launches[index // limit][name] = (values, geometry.warp_row_blocks(t1 - t0))

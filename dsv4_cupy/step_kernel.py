@@ -12,6 +12,9 @@ def step_plan(device: int, variant: tuple, sections: dict, swa_slot_mapping: int
     """The step kernel with ``sections`` on (``name: (values, blocks)``, the
     section's struct values and its blocks) and every other section off;
     None when no section has a block."""
+    unknown = set(sections) - set(params.STEP_SECTION_NAMES)
+    if unknown:
+        raise KeyError(f"step_plan: no step-kernel section named {sorted(unknown)}")
     ends, total, fields = {}, 0, {}
     for name in params.STEP_SECTION_NAMES:
         values, blocks = sections.get(name, (None, 0))

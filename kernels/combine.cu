@@ -1,6 +1,7 @@
 // combine_topk_swa_indices (hardened V4.1 form): token t of the chunk (request
-// b, position p) gets k_len = min((p + 1) / ratio, topk) compressed entries
-// x + M * b (-1 unless 0 <= x < N, still counted), then the s_len window rows
+// b, position p; b counted from the first request of b's chunk) gets k_len =
+// min((p + 1) / ratio, topk) compressed entries x + M * b (-1 unless 0 <= x <
+// N, still counted), then the s_len window rows
 // M * b + N + (swa_start - g0) + i with g0 = L - gather_len and swa_start =
 // max(p - W + 1, 0, g0), then -1 to C columns. Tokens at or past the chunk's
 // total get an all -1 row and length 0. Without topk_indices (null) the

@@ -104,10 +104,13 @@ def composition(cms, builder):
                                                  builder.max_num_batched_tokens)
                 out[f"{name}_prefill_chunks"] = plan
                 pieces, piece_lens = [], []
-                for start, end, N, M in plan:
+                for index, (start, end, N, M) in enumerate(plan):
                     a, b = nr + start, nr + end
+                    # The last chunk also takes the step's padding rows.
+                    rows = (ntp - int(host_qsl[a] - host_qsl[nr]) if index == len(plan) - 1
+                            else int(host_qsl[b] - host_qsl[a]))
                     got = d4.build_c128a_combined_prefill_rows(
-                        int(host_qsl[b] - host_qsl[a]), qsl[a:b + 1], seq[a:b], gather[start:end],
+                        rows, qsl[a:b + 1], seq[a:b], gather[start:end],
                         W, 128 if ratio > 1 else 0, topk, M, N)
                     pieces.append(to_numpy(got[0]))
                     piece_lens.append(to_numpy(got[1]))
@@ -152,7 +155,8 @@ def count_launches(monkeypatch):
 
 STEPS = [  # (decodes, prefill query lengths, padding tokens, short context)
     (6, [], 3, False), (1, [], 0, True), (4, [300, 17, 1, 64], 0, False),
-    (0, [500, 2, 9, 33, 120, 7], 0, False), (3, [40, 60], 0, True), (0, [40, 60], 0, True)]
+    (0, [500, 2, 9, 33, 120, 7], 0, False), (3, [40, 60], 0, True), (0, [40, 60], 0, True),
+    (2, [30, 50], 5, False)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -194,14 +198,21 @@ def test_a_plan_longer_than_a_launch_carries_equals_the_ops(kind, monkeypatch):
 
 
 def test_bad_steps_are_refused_naming_the_group():
+    """Each refused before any write: every buffer keeps its first contents."""
     rng = np.random.default_rng(1)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
                                                num_speculative_tokens=SPEC)
+    before = [b.copy() for b in builder.buffers().values()]
     cms = make_step(rng, 2, [30])
     with pytest.raises(TypeError, match="one CommonAttentionMetadata per group"):
         builder.build(0, {k: v for k, v in cms.items() if k != "swa"})
-    cms["c4a"].slot_mapping = cms["c4a"].slot_mapping.astype(I32)
-    with pytest.raises(TypeError, match=r"\['c4a'\].slot_mapping"):
+    cms["swa"].slot_mapping = cms["swa"].slot_mapping.astype(I32)
+    with pytest.raises(TypeError, match=r"\['swa'\].slot_mapping"):
+        builder.build(0, cms)
+    cms = make_step(rng, 2, [30, 40])
+    cms["c128a"].query_start_loc_cpu = cms["c128a"].query_start_loc_cpu.copy()
+    cms["c128a"].query_start_loc_cpu[-1] += 5000       # past the step's tokens
+    with pytest.raises(ValueError, match="query_start_loc_cpu: expected the prefill"):
         builder.build(0, cms)
     cms = make_step(rng, 2, [30])
     cms["swa"].seq_lens = cms["swa"].seq_lens.copy()
@@ -217,7 +228,6 @@ def test_bad_steps_are_refused_naming_the_group():
         builder.build(0, cms)
     cms = make_step(rng, 2, [30])
     cms["indexer"].block_table_tensor = cms["indexer"].block_table_tensor[:1]
-    before = [b.copy() for b in builder.buffers().values()]
     with pytest.raises(ValueError, match=r"\['indexer'\].block_table_tensor"):
         builder.build(0, cms)
     for old, new in zip(before, builder.buffers().values()):
@@ -316,3 +326,9 @@ def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
         got.indexer_req_ids.unsqueeze_(0)
     again = builder.build(0, cms)
     assert again.indexer_req_ids.shape == (cms["c128a"].num_actual_tokens,)
+
+
+def test_the_step_kernel_refuses_a_section_it_does_not_have():
+    from dsv4_cupy.step_kernel import step_plan
+    with pytest.raises(KeyError, match="swa_rows"):
+        step_plan(0, (), {"swa_rows": ((), 1)})
