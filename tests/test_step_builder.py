@@ -332,3 +332,55 @@ def test_the_step_kernel_refuses_a_section_it_does_not_have():
     from dsv4_cupy.step_kernel import step_plan
     with pytest.raises(KeyError, match="swa_rows"):
         step_plan(0, (), {"swa_rows": ((), 1)})
+
+
+def test_the_combine_sections_carry_the_plans_rows_and_padding():
+    """What the GPU launch packs for the combined rows (checked here, on the
+    CPU, from the struct bytes): per launch at most MAX_PLAN_CHUNKS chunks,
+    each chunk's first request, M and N, the rows it writes and where; the
+    last chunk covers the step's padding rows."""
+    import struct
+    from dsv4_cupy import params
+    rng = np.random.default_rng(12)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 4096, combined_prefill=True,
+                                               prefill_chunk_size=1, max_num_compressed=1 << 21)
+    steps = []
+    builder._run_ops = lambda metadata, step: steps.append(step)
+    cms = make_step(rng, 2, [4] * 1000 + [30], pad=7)
+    got = builder.build(0, cms)
+    step = steps[0]
+    nr, npf, nd, ntp = step["split"]
+    host_qsl = cms["c128a"].query_start_loc_cpu
+    launches = builder._combine_sections(step, nr, step["ops128"])
+    layout = params.PREFILL_COMBINE
+    for name, plan, buffers in (("c128a_combine", got.c128a_prefill_chunks,
+                                 builder.c128a_combined_buffers),
+                                ("swa_combine", got.swa_prefill_chunks,
+                                 builder.swa_combined_buffers)):
+        rows, lens = buffers
+        stride = rows.strides[0] // 4
+        chunks, covered = 0, 0
+        for launch in launches:
+            if name not in launch:                   # a shorter plan needs fewer launches
+                continue
+            values, blocks = launch[name]
+            packed = np.frombuffer(struct.pack("<" + layout.format, *values), layout.dtype)[0]
+            count = int(packed["plan"]["chunks"])
+            assert 0 < count <= params.MAX_PLAN_CHUNKS
+            piece = plan[chunks:chunks + count]
+            first = nr + piece[0][0]
+            t0 = int(host_qsl[first] - host_qsl[nr])
+            assert t0 == covered                     # launches tile the prefill rows in order
+            assert packed["rows"]["out"] == rows.ctypes.data + 4 * t0 * stride
+            assert packed["rows"]["lens"] == lens.ctypes.data + 4 * t0
+            assert packed["rows"]["query"]["num_reqs"] == piece[-1][1] - piece[0][0]
+            assert packed["plan"]["first_request"][:count].tolist() == \
+                [start - piece[0][0] for start, *_ in piece]
+            assert packed["plan"]["swa_offset"][:count].tolist() == [N for _, _, N, _ in piece]
+            assert packed["plan"]["rows_per_request"][:count].tolist() == \
+                [M for *_, M in piece]
+            covered = t0 + int(packed["rows"]["num_tokens"])
+            chunks += count
+        assert chunks == len(plan) and covered == ntp        # padding rows included
+    assert len(launches) == -(-max(len(got.c128a_prefill_chunks),
+                                   len(got.swa_prefill_chunks)) // params.MAX_PLAN_CHUNKS) > 1
