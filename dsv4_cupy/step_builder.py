@@ -277,12 +277,13 @@ class DeepseekV4StepMetadataBuilder:
         ``check_replay`` says whether a step fits the capture."""
         cm = self._group_metadata(common_attn_metadata)["c128a"]
         self.c128a_builder.check_capturable(cm)
-        metadata = self._build_checked(common_attn_metadata, True)
-        key = self._step_key(common_attn_metadata, True)
+        key = self._step_key(common_attn_metadata, True)    # before anything is recorded
         if key is None:
-            raise ValueError("common_attn_metadata: a captured build needs every group to hold "
-                             "the C128A group's query_start_loc and seq_lens objects (check_replay "
+            raise ValueError("common_attn_metadata: a captured build needs device arrays, every "
+                             "group holding the C128A group's query_start_loc and seq_lens "
+                             "objects, and max_query_len, max_seq_len ints >= 0 (check_replay "
                              "compares the arrays by their attributes)")
+        metadata = self._build_checked(common_attn_metadata, True)
         self._captured = (key, cm.num_reqs, cm.num_actual_tokens)
         return metadata
 

@@ -384,3 +384,22 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
         assert chunks == len(plan) and covered == ntp        # padding rows included
     assert len(launches) == -(-max(len(got.c128a_prefill_chunks),
                                    len(got.swa_prefill_chunks)) // params.MAX_PLAN_CHUNKS) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_capture_needs_groups_that_share_the_query_objects(kind):
+    """Other objects over the same memory pass the build's checks, but a
+    capture could not tell later arrays apart from them: it is refused before
+    anything is recorded."""
+    rng = np.random.default_rng(10)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    cms = make_step(rng, 4, [], 0, False, kind, decode_len=2)
+    cms["swa"].query_start_loc = cms["c128a"].query_start_loc[:]   # same memory, new object
+    builder.build(0, cms)                                          # eager: accepted
+    with pytest.raises(ValueError, match="captured build needs"):
+        builder.build_for_cudagraph_capture(cms)
+    with pytest.raises(ValueError, match="nothing was captured"):
+        builder.check_replay(cms)
