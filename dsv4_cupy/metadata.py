@@ -74,6 +74,17 @@ class DeepseekV4Metadata:
     def to_torch(self) -> "DeepseekV4Metadata":
         """The same metadata with every array exported to torch through DLPack
         (zero-copy; torch tensors pass through)."""
-        changes = {f.name: to_torch(getattr(self, f.name)) for f in dataclasses.fields(self)
-                   if getattr(self, f.name) is not None and not isinstance(getattr(self, f.name), int)}
-        return dataclasses.replace(self, **changes)
+        return exported_to_torch(self)
+
+
+def exported_to_torch(metadata):
+    """A metadata dataclass with every array field exported to torch through
+    DLPack (zero-copy), nested metadata too; ints, lists and None stay."""
+    changes = {}
+    for field in dataclasses.fields(metadata):
+        value = getattr(metadata, field.name)
+        if value is None or isinstance(value, (int, list)):
+            continue
+        changes[field.name] = (exported_to_torch(value) if dataclasses.is_dataclass(value)
+                               else to_torch(value))
+    return dataclasses.replace(metadata, **changes)

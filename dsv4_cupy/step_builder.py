@@ -14,7 +14,7 @@ from .c4a import fill_short_context_topk_indices
 from .combine import build_c128a_combined_prefill_rows, combined_width
 from .families import SLOT_MAPPING_AXIS
 from .indexer import build_indexer_decode_metadata, build_indexer_prefill_chunk_metadata
-from .metadata import CommonAttentionMetadata
+from .metadata import CommonAttentionMetadata, exported_to_torch
 from .prefill_plan import DEFAULT_WINDOW_SIZE, compute_prefill_gather_lens, get_prefill_chunk_plan
 from .prepared import PlanCache, PreparedCall
 from .scalars import check_int
@@ -102,14 +102,7 @@ class DeepseekV4StepMetadata:
 
     def to_torch(self) -> "DeepseekV4StepMetadata":
         """The same metadata with every array exported to torch through DLPack (zero-copy)."""
-        changes = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is None or isinstance(value, (int, list)):
-                continue
-            changes[field.name] = value.to_torch() if field.name == "c128a" \
-                else arrays.to_torch(value)
-        return dataclasses.replace(self, **changes)
+        return exported_to_torch(self)
 
 
 class DeepseekV4StepMetadataBuilder:
@@ -449,8 +442,6 @@ class DeepseekV4StepMetadataBuilder:
         cms = self._group_metadata(common_attn_metadata)
         base, cm = self.c128a_builder, cms["c128a"]
         num_tokens, qsl_cpu, ops128 = base._check_step(cm)
-        if num_tokens and cm.positions is None:
-            raise ValueError("common_attn_metadata['c128a'].positions: required, got None")
         groups = self._check_groups(cms, ops128)
         arrays.check_no_alias(self._owned, [op for op in ops128.values() if op is not None] +
                               [op for ops in groups.values() for op in ops.values()])
@@ -560,13 +551,18 @@ class DeepseekV4StepMetadataBuilder:
                 prefill_qsl, seq[num_decodes:], C4A_RATIO, 0, np_tokens,
                 num_compressed=step["compressed"], out=self.indexer_prefill_buffers)
             if self.combined_prefill:
-                self._combine_chunks(step, num_decodes, self.c128a_combined_buffers,
-                                     step["c128a_plan"], step["width"], 128)
-                self._combine_chunks(step, num_decodes, self.swa_combined_buffers,
-                                     step["swa_plan"], 0, 0)
+                for _, plan, buffers, topk, ratio in self._combined_layer_types(step):
+                    self._combine_chunks(step, num_decodes, buffers, plan, topk, ratio)
         if step["short"]:
             fill_short_context_topk_indices(cm.positions, self.index_topk, C4A_RATIO, T,
                                             out=self.short_context_buffer)
+
+    def _combined_layer_types(self, step) -> tuple:
+        """``(step-kernel section, plan, (rows, lens) buffers, topk, ratio)`` of the
+        C128A and the SWA-only layers' combined rows."""
+        return (("c128a_combine", step["c128a_plan"], self.c128a_combined_buffers,
+                 step["width"], 128),
+                ("swa_combine", step["swa_plan"], self.swa_combined_buffers, 0, 0))
 
     @staticmethod
     def _chunk_rows(step, num_decodes: int, plan) -> list[tuple]:
@@ -599,8 +595,7 @@ class DeepseekV4StepMetadataBuilder:
         num_decodes, num_prefills, nd, np_tokens = step["split"]
         T, W = step["num_tokens"], self.window_size
         ptr = self._ptr
-        query = params.QUERY_LAYOUT.values(query_start_loc=ops128["query_start_loc"].ptr,
-                                           seq_lens=ops128["seq_lens"].ptr, num_reqs=cms["c128a"].num_reqs)
+        query = _requests(ops128, 0, cms["c128a"].num_reqs)
         values, blocks, variant = base.base_section(cms["c128a"].num_reqs, ops128, T, c128a_tokens,
                                                     nd, step["width"], valid_tokens)
         if ops128["positions"] is not None:     # the short-context rows read them too
@@ -619,10 +614,7 @@ class DeepseekV4StepMetadataBuilder:
                               ("indexer", self.indexer_slot_mapping_buffer)):
             table = groups[group][f"{group}.block_table_tensor"]
             sections[f"{group}_slots"] = (params.SLOT_MAPPING.values(
-                query=params.QUERY_LAYOUT.values(query_start_loc=ops128["query_start_loc"].ptr,
-                                                 seq_lens=ops128["seq_lens"].ptr,
-                                                 num_reqs=table.shape[0]),
-                table=arrays.block_table_group(table),
+                query=_requests(ops128, 0, table.shape[0]), table=arrays.block_table_group(table),
                 geometry=params.SLOT_GEOMETRY.values(block_size=self.c4a_block_size,
                                                      ratio=C4A_RATIO, cp_world_size=1, cp_rank=0,
                                                      cp_interleave=1),
@@ -631,24 +623,20 @@ class DeepseekV4StepMetadataBuilder:
         context, req_ids, decode_lens, block_rows = (ptr[id(x)] for x in self.indexer_decode_buffers)
         indexer_table = groups["indexer"]["indexer.block_table_tensor"]
         sections["indexer_decode"] = (params.INDEXER_DECODE.values(
-            query=params.QUERY_LAYOUT.values(query_start_loc=ops128["query_start_loc"].ptr,
-                                             seq_lens=ops128["seq_lens"].ptr, num_reqs=num_decodes),
-            table=arrays.block_table_group(indexer_table), context_lens=context, req_ids=req_ids,
+            query=_requests(ops128, 0, num_decodes), table=arrays.block_table_group(indexer_table),
+            context_lens=context, req_ids=req_ids,
             decode_lens=decode_lens, block_rows=block_rows, block_rows_stride=self.max_blocks,
             num_tokens=nd, context_lens_len=n, ratio=C4A_RATIO),
             geometry.indexer_decode_blocks(nd, indexer_table.shape[1], n))
         if num_prefills:
-            qsl_at = ops128["query_start_loc"].ptr + 4 * num_decodes
-            seq_at = ops128["seq_lens"].ptr + 4 * num_decodes
-            prefill_query = params.QUERY_LAYOUT.values(query_start_loc=qsl_at, seq_lens=seq_at,
-                                                       num_reqs=num_prefills)
             sections["gather"] = (params.PREFILL_GATHER.values(
                 query=query, out=ptr[id(self.prefill_gather_lens_buffer)],
                 num_decodes=num_decodes, num_prefills=num_prefills, window_size=W),
                 geometry.elementwise_blocks(num_prefills))
             cu, token_to_seq, ks, ke = (ptr[id(x)] for x in self.indexer_prefill_buffers)
             sections["indexer_prefill"] = (params.INDEXER_PREFILL.values(
-                query=prefill_query, cu_compressed=cu, token_to_seq=token_to_seq, seqlen_ks=ks,
+                query=_requests(ops128, num_decodes, num_prefills), cu_compressed=cu,
+                token_to_seq=token_to_seq, seqlen_ks=ks,
                 seqlen_ke=ke, num_compressed=step["compressed"], ratio=C4A_RATIO,
                 query_slice_start=0, query_slice_stop=np_tokens),
                 geometry.row_blocks(num_prefills + 1))
@@ -673,12 +661,9 @@ class DeepseekV4StepMetadataBuilder:
         of each plan per launch."""
         W, limit = self.window_size, params.MAX_PLAN_CHUNKS
         launches = []
-        for name, plan, buffers, topk, ratio in (
-                ("c128a_combine", step["c128a_plan"], self.c128a_combined_buffers,
-                 step["width"], 128),
-                ("swa_combine", step["swa_plan"], self.swa_combined_buffers, 0, 0)):
+        for name, plan, buffers, topk, ratio in self._combined_layer_types(step):
             rows, lens = buffers
-            width, stride = combined_width(topk, W), arrays.probe("rows", rows).strides[0]
+            width, stride = combined_width(topk, W), rows.shape[1]      # contiguous rows
             chunk_rows = self._chunk_rows(step, num_decodes, plan)
             for index in range(0, len(chunk_rows), limit):
                 piece = chunk_rows[index:index + limit]
@@ -687,10 +672,8 @@ class DeepseekV4StepMetadataBuilder:
                 pad = [0] * (limit - len(piece))
                 values = params.PREFILL_COMBINE.values(
                     rows=params.COMBINE.values(
-                        query=params.QUERY_LAYOUT.values(
-                            query_start_loc=ops128["query_start_loc"].ptr + 4 * a,
-                            seq_lens=ops128["seq_lens"].ptr + 4 * a, num_reqs=b - a),
-                        gather_lens=0, topk_indices=0, out=self._ptr[id(rows)] + 4 * t0 * stride,
+                        query=_requests(ops128, a, b - a), gather_lens=0, topk_indices=0,
+                        out=self._ptr[id(rows)] + 4 * t0 * stride,
                         lens=self._ptr[id(lens)] + 4 * t0, topk_stride=0, out_stride=stride,
                         width=width, num_tokens=t1 - t0, window_size=W, ratio=ratio, topk=topk,
                         rows_per_request=0, swa_offset=0),
@@ -703,6 +686,15 @@ class DeepseekV4StepMetadataBuilder:
                     launches.append({})
                 launches[index // limit][name] = (values, geometry.warp_row_blocks(t1 - t0))
         return launches or [{}]
+
+
+def _requests(ops128, first: int, count: int) -> tuple:
+    """The ``QueryLayout`` values of the step's requests ``[first, first + count)``:
+    the shared int32 ``query_start_loc`` and ``seq_lens`` from request ``first``."""
+    item = INT32.itemsize
+    return params.QUERY_LAYOUT.values(query_start_loc=ops128["query_start_loc"].ptr + item * first,
+                                      seq_lens=ops128["seq_lens"].ptr + item * first,
+                                      num_reqs=count)
 
 
 def _arrays_of(metadata: DeepseekV4StepMetadata) -> tuple:
