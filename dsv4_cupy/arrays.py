@@ -8,6 +8,7 @@ cupy and torch are imported only when an array of theirs shows up.
 """
 from __future__ import annotations
 
+import bisect
 import sys
 from typing import Any, NamedTuple
 
@@ -270,6 +271,35 @@ def check_no_alias(outputs: list, inputs: list) -> None:
         spans.append(span)
 
 
+class OwnedBuffers:
+    """Buffers this library allocated, whole (they never overlap one another):
+    ``check_inputs`` is ``check_no_alias`` of them against a call's inputs,
+    with their spans computed once and a bisection per input."""
+
+    def __init__(self, buffers: list):
+        self._ops = sorted((op for op in buffers if op is not None and 0 not in op.shape),
+                           key=lambda op: op.ptr)
+        self._spans = [_span(op) for op in self._ops]
+        self._ends = [hi for _, hi in self._spans]
+        for (_, end), (start, _), op in zip(self._spans, self._spans[1:], self._ops[1:]):
+            if start < end:             # the bisection needs disjoint spans
+                raise ValueError(f"{op.name}: a buffer overlaps another one")
+
+    def check_inputs(self, inputs) -> None:
+        ops, spans = self._ops, self._spans
+        for other in inputs:
+            if other is None:
+                continue
+            other_span = _span(other)
+            lo, hi = other_span
+            index = bisect.bisect_right(self._ends, lo)
+            while index < len(ops) and spans[index][0] < hi:
+                if _overlap(ops[index], other, spans[index], other_span):
+                    raise ValueError(f"{ops[index].name}: output memory overlaps {other.name}; "
+                                     f"pass separate buffers for outputs and inputs")
+                index += 1
+
+
 def block_table_group(op: Operand) -> tuple:
     """The ``BlockTable`` launch fields of a checked 2-D int32 array."""
     rows, cols = op.shape
@@ -301,6 +331,30 @@ def view_state(x) -> tuple:
     """What a caller can change in place on a view: shape, strides and, for
     numpy, the writeable flag (cheap: attribute reads only)."""
     return state_reader(x)(x)
+
+
+def _torch_version(x) -> int:
+    return x._version
+
+
+def owned_state_reader(x) -> tuple:
+    """``(watched, read)`` for a view of a buffer that only this library's
+    kernels write: ``read(watched)`` changes when the caller changes the view
+    in place. For torch that is the version counter of the view's base, which
+    all views of one buffer share and every in-place torch op on any of them
+    bumps (``resize_``, ``t_``, ``as_strided_``, ``set_``, a write; not the
+    kernels' writes, nor assigning ``.data``): one read covers every view of a
+    buffer. Other kinds: the view itself and ``view_state``."""
+    if _family(x) is _TORCH:
+        base = x._base
+        return (x if base is None else base), _torch_version
+    return x, state_reader(x)
+
+
+def owned_state(x):
+    """``read(watched)`` of ``owned_state_reader(x)``, once."""
+    watched, read = owned_state_reader(x)
+    return read(watched)
 
 
 def stack_columns(columns: list):
@@ -468,13 +522,15 @@ def launch_key(*args) -> tuple | None:
     append = key.append
     for x in args:
         kind = type(x)
-        if kind in _SCALAR_TYPES:
-            append(x)
-            continue
-        if kind is bool:
-            append((bool, x))
-            continue
-        family = _FAMILY.get(kind) or _family(x)
+        family = _FAMILY.get(kind)          # arrays first: most arguments are arrays
+        if family is None:
+            if kind in _SCALAR_TYPES:
+                append(x)
+                continue
+            if kind is bool:
+                append((bool, x))
+                continue
+            family = _family(x)
         if family is _TORCH:
             append((x.data_ptr(), x.shape, x.stride(), x.dtype))
         elif family is _CUPY:

@@ -152,6 +152,7 @@ class DeepseekV4MetadataBuilder:
         self._buffer_ops = [arrays.probe(name, getattr(self, name)) for name in (
             "req_id_per_token_buffer", "compressed_slot_mapping_buffer",
             "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer")]
+        self._buffers = arrays.OwnedBuffers(self._buffer_ops)
         self._buffer_ptrs = dict((name, op.ptr if op is not None else 0) for name, op in zip(
             ("req", "slots", "global_decode", "decode_lens", "prefill"), self._buffer_ops))
         self._slot_buffer_len = n if self.compressed_slot_mapping_buffer is not None else 0
@@ -259,13 +260,15 @@ class DeepseekV4MetadataBuilder:
                 return metadata
         return self._build_checked(cm)
 
-    def _step_key(self, cm: CommonAttentionMetadata):
-        """What the checks of a step depend on, from attributes alone (None: no fast path)."""
+    def _step_key(self, cm: CommonAttentionMetadata, *more):
+        """What the checks of a step depend on, from attributes alone, with
+        ``more`` of the caller's (None: no fast path)."""
         return arrays.launch_key(
             cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping,
             cm.positions if self.compress_ratio == 128 else None, cm.num_reqs,
             cm.num_actual_tokens, arrays.host_key(cm.query_start_loc_cpu),
-            None if self.treat_short_extends_as_decodes else arrays.host_key(cm.is_prefilling))
+            None if self.treat_short_extends_as_decodes else arrays.host_key(cm.is_prefilling),
+            *more)
 
     def _build_prepared(self, cm: CommonAttentionMetadata):
         """The step from a prepared launch, or None (then the full path runs)."""
@@ -308,7 +311,7 @@ class DeepseekV4MetadataBuilder:
         if self.kind in arrays.GPU_KINDS:
             launch = PreparedCall(
                 self._plans(cm.num_reqs, ops, num_tokens, c128a_tokens, num_decode_tokens, width,
-                            valid_tokens), self.kind, self.device, views, views)
+                            valid_tokens), self.kind, self.device, views, owned=views)
             if not launch.run():
                 raise RuntimeError("DeepseekV4MetadataBuilder.build: the device changed during "
                                    "the build")
@@ -396,7 +399,7 @@ class DeepseekV4MetadataBuilder:
         arrays.check(ops["slot_mapping"], SLOT_MAPPING_AXIS[1], 1, min_len=num_tokens)
         if needs_positions:
             arrays.check(ops["positions"], POSITIONS_AXIS[1], 1, min_len=num_tokens)
-        arrays.check_no_alias(self._buffer_ops, list(ops.values()))
+        self._buffers.check_inputs(ops.values())
         return num_tokens, qsl_cpu, ops
 
     def _check_step_data(self, cm, qsl_cpu, num_tokens, num_decode_tokens):
@@ -493,7 +496,7 @@ class DeepseekV4MetadataBuilder:
         cached = self._views.get(key)
         if cached is not None:
             views, states = cached
-            if all(view is None or arrays.view_state(view) == state
+            if all(view is None or arrays.owned_state(view) == state
                    for view, state in zip(views, states)):
                 return views
         slots = self.compressed_slot_mapping_buffer
@@ -506,6 +509,6 @@ class DeepseekV4MetadataBuilder:
                  prefill[:num_prefill_tokens, :width] if prefill is not None else None)
         if len(self._views) >= _MAX_CACHED_VIEWS:
             self._views.clear()
-        self._views[key] = (views, tuple(None if view is None else arrays.view_state(view)
+        self._views[key] = (views, tuple(None if view is None else arrays.owned_state(view)
                                          for view in views))
         return views

@@ -22,15 +22,22 @@ class PreparedCall:
     __slots__ = ("plans", "stream", "results", "_watched")
 
     def __init__(self, plans: tuple[LaunchPlan, ...], kind: str, device: int, results,
-                 views: tuple = ()):
-        """``results`` is returned by each run; ``views`` (arrays inside it) are
-        checked for in-place changes before each run."""
+                 views: tuple = (), *, owned: tuple = ()):
+        """``results`` is returned by each run; the arrays inside it are checked
+        for in-place changes before each run: ``views`` (any arrays, by
+        ``arrays.view_state``) and ``owned`` (views of buffers only this
+        library's kernels write, by ``arrays.owned_state_reader``: a torch
+        buffer's views are watched by one read)."""
         self.plans = plans
         self.stream = arrays.stream_getter(kind, device)
         self.results = results
-        self._watched = tuple((view, read, read(view)) for view, read in
-                              ((view, arrays.state_reader(view)) for view in views
-                               if view is not None))
+        watched = {id(view): (view, arrays.state_reader(view)) for view in views
+                   if view is not None}
+        for view in owned:
+            if view is not None:
+                target, read = arrays.owned_state_reader(view)
+                watched[id(target)] = (target, read)
+        self._watched = tuple((target, read, read(target)) for target, read in watched.values())
 
     def run(self) -> bool:
         """Launch and return True, or launch nothing and return False when a

@@ -20,7 +20,7 @@ from .prepared import PlanCache, PreparedCall
 from .scalars import check_int
 from .slot_mapping import get_compressed_slot_mapping
 from .split import host_prefilling as host_prefilling_view
-from .spec import KV_BLOCK_SIZE, MAX_BLOCK_SIZE, cdiv
+from .spec import KV_BLOCK_SIZE, MAX_BLOCK_SIZE, active_width_unchecked, cdiv
 from .step_kernel import step_plan
 from .swa import compute_swa_indices_and_lens
 
@@ -33,6 +33,7 @@ DEFAULT_PREFILL_CHUNK_SIZE = 4
 #: SWA-cache rows per block (DeepSeek-V4's sliding-window cache).
 SWA_BLOCK_SIZE = 64
 _MAX_CACHED_STEPS = 256
+_MAX_CACHED_VIEWS = 2048
 #: The C128A group's results (its other fields are the caller's arrays).
 _C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
                   "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
@@ -203,11 +204,13 @@ class DeepseekV4StepMetadataBuilder:
                                          buffer((n,), INT32, 0))
         self.short_context_buffer = buffer((n, self.index_topk), INT32, -1)
         buffers = self.buffers()
-        self._owned = [arrays.probe(f"the builder's {name}", x) for name, x in buffers.items()]
-        self._ptr = {id(x): op.ptr for x, op in zip(buffers.values(), self._owned)}
+        owned = [arrays.probe(f"the builder's {name}", x) for name, x in buffers.items()]
+        self._owned = arrays.OwnedBuffers(owned)
+        self._ptr = {id(x): op.ptr for x, op in zip(buffers.values(), owned)}
         self._prepared = (PlanCache(_MAX_CACHED_STEPS) if self.kind in arrays.GPU_KINDS
                           else None)
         self._captured = None
+        self._views: dict = {}
 
     def buffers(self) -> dict:
         """Every persistent buffer the builds write, by name (the C128A group's
@@ -329,19 +332,18 @@ class DeepseekV4StepMetadataBuilder:
                     or other.seq_lens is not cm.seq_lens or other.num_reqs != cm.num_reqs \
                     or other.num_actual_tokens != cm.num_actual_tokens:
                 return None
-        base_key = base._step_key(cm)
-        groups_key = arrays.launch_key(
-            self._width(cm, capturing), self._short_context(cm, capturing), capturing,
-            swa.block_table_tensor, swa.slot_mapping, c4a.block_table_tensor,
-            indexer.block_table_tensor)
-        if base_key is None or groups_key is None:
-            return None
-        return base_key, groups_key
+        return base._step_key(cm, self._width(cm, capturing), self._short_context(cm, capturing),
+                              capturing, swa.block_table_tensor, swa.slot_mapping,
+                              c4a.block_table_tensor, indexer.block_table_tensor)
 
     def _width(self, cm, capturing: bool) -> int:
-        """C128A columns written: the capacity in a captured build (a step's
-        live width varies), else the builder's width policy."""
-        return self.c128a_builder.capacity if capturing else self.c128a_builder.width(cm.max_seq_len)
+        """C128A columns written (``max_seq_len`` an int >= 0): the capacity in a
+        captured build (a step's live width varies), else the builder's width
+        policy."""
+        base = self.c128a_builder
+        if capturing or base.width_policy == "capacity":
+            return base.capacity
+        return active_width_unchecked(cm.max_seq_len, base.capacity)
 
     def _short_context(self, cm, capturing: bool) -> bool:
         return not capturing and cm.num_actual_tokens > 0 and \
@@ -362,16 +364,22 @@ class DeepseekV4StepMetadataBuilder:
                                  f"{cm128.num_actual_tokens}), got ({cm.num_reqs}, "
                                  f"{cm.num_actual_tokens})")
             # Only the SWA group's slot mapping is read (its tokens' validity); the
-            # compressed slot mappings come from the block tables.
+            # compressed slot mappings come from the block tables. The query
+            # layout is the C128A group's: the same objects need no second look.
+            layout = [name for name in ("query_start_loc", "seq_lens")
+                      if getattr(cm, name) is not getattr(cm128, name)]
+            if cm.block_table_tensor is None:
+                raise TypeError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
+                                f"an int32 array [num_reqs, max_blocks], got None")
             kind, device, ops = arrays.probe_all({
-                f"{group}.query_start_loc": cm.query_start_loc, f"{group}.seq_lens": cm.seq_lens,
+                **{f"{group}.{name}": getattr(cm, name) for name in layout},
                 f"{group}.block_table_tensor": cm.block_table_tensor,
                 f"{group}.slot_mapping": cm.slot_mapping if group == "swa" else None})
             if (kind, device) != (self.kind, self.device):
                 raise TypeError(f"common_attn_metadata[{group!r}]: expected arrays like the "
                                 f"builder's buffers ({arrays.describe(self.swa_lens_buffer)}), "
-                                f"got {arrays.describe(cm.query_start_loc)}")
-            for name in ("query_start_loc", "seq_lens"):
+                                f"got {arrays.describe(cm.block_table_tensor)}")
+            for name in layout:
                 mine, shared = ops[f"{group}.{name}"], ops128[name]
                 if (mine.ptr, mine.shape, mine.strides, mine.dtype) != \
                         (shared.ptr, shared.shape, shared.strides, shared.dtype):
@@ -411,15 +419,16 @@ class DeepseekV4StepMetadataBuilder:
             raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
                             f"{arrays.describe(cm.seq_lens_cpu)}")
         arrays.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
-        seq = arrays.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:num_decodes + num_prefills]
-        seq = seq.astype(np.int64)
-        queries = np.diff(np.asarray(host_qsl[num_decodes:num_decodes + num_prefills + 1],
-                                     np.int64))
-        if queries.min() < 0 or queries.sum() > num_prefill_tokens:
+        # Python ints: a handful of requests costs less than numpy calls.
+        end = num_decodes + num_prefills
+        seq = arrays.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:end].tolist()
+        starts = host_qsl[num_decodes:end + 1].tolist()
+        queries = [b - a for a, b in zip(starts, starts[1:])]
+        if min(queries) < 0 or sum(queries) > num_prefill_tokens:
             raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
                              f"lengths >= 0 and at most num_prefill_tokens="
-                             f"{num_prefill_tokens} in all, got {queries.tolist()}")
-        compressed = int(np.maximum(seq // C4A_RATIO, 0).sum())
+                             f"{num_prefill_tokens} in all, got {queries}")
+        compressed = sum(max(length // C4A_RATIO, 0) for length in seq)
         if compressed > self.max_num_compressed:
             raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
                              f"{self.max_num_compressed} compressed indexer rows over the "
@@ -443,8 +452,8 @@ class DeepseekV4StepMetadataBuilder:
         base, cm = self.c128a_builder, cms["c128a"]
         num_tokens, qsl_cpu, ops128 = base._check_step(cm)
         groups = self._check_groups(cms, ops128)
-        arrays.check_no_alias(self._owned, [op for op in ops128.values() if op is not None] +
-                              [op for ops in groups.values() for op in ops.values()])
+        self._owned.check_inputs([*ops128.values(),
+                                  *(op for ops in groups.values() for op in ops.values())])
         host_qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)
         host_prefilling = None
         if not base.treat_short_extends_as_decodes and cm.num_reqs:
@@ -469,22 +478,37 @@ class DeepseekV4StepMetadataBuilder:
                     compressed=compressed, short=short, host_qsl=host_qsl)
         metadata = self._metadata(cm, split, views, step)
         if self.kind in arrays.GPU_KINDS:
+            key = self._step_key(cms, capturing)     # None for steps with prefills
             call = PreparedCall(self._plans(step, c128a_tokens, valid_tokens), self.kind,
-                                self.device, metadata, _arrays_of(metadata))
+                                self.device, metadata,
+                                owned=_arrays_of(metadata) if key is not None else ())
             if not call.run():
                 raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
                                    "during the build")
-            key = self._step_key(cms, capturing)
-            if key is not None:                       # decode steps only
+            if key is not None:
                 self._prepared.put(key, (call, metadata))
         else:
             base._run_cpu(cm, num_tokens, c128a_tokens, nd, width, valid_tokens)
             self._run_ops(metadata, step)
         return metadata
 
+    def _view(self, buffer, start: int, stop: int, cols: int | None = None):
+        """``buffer[start:stop]`` (``[start:stop, :cols]``), cached: slicing a torch
+        tensor costs more host time than a whole prepared build. A cached view
+        that the caller changed in place is replaced, never handed out again."""
+        key = (id(buffer), start, stop, cols)
+        cached = self._views.get(key)
+        if cached is not None and arrays.owned_state(cached[0]) == cached[1]:
+            return cached[0]
+        view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        self._views[key] = (view, arrays.owned_state(view))
+        return view
+
     def _metadata(self, cm, split, views, step) -> DeepseekV4StepMetadata:
         num_decodes, num_prefills, nd, np_tokens = split
-        T = step["num_tokens"]
+        T, view = step["num_tokens"], self._view
         c128a = self.c128a_builder._metadata(cm, split, views)
         if self.combined_prefill:
             c128a.c128a_prefill_topk_indices = None
@@ -496,32 +520,36 @@ class DeepseekV4StepMetadataBuilder:
             num_reqs=cm.num_reqs, num_actual_tokens=T, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, num_decodes=num_decodes, num_prefills=num_prefills,
             num_decode_tokens=nd, num_prefill_tokens=np_tokens,
-            req_id_per_token=c128a.req_id_per_token, is_valid_token=self.is_valid_token_buffer[:T],
-            c4a_slot_mapping=self.c4a_slot_mapping_buffer[:T],
-            indexer_slot_mapping=self.indexer_slot_mapping_buffer[:T], c128a=c128a)
+            req_id_per_token=c128a.req_id_per_token,
+            is_valid_token=view(self.is_valid_token_buffer, 0, T),
+            c4a_slot_mapping=view(self.c4a_slot_mapping_buffer, 0, T),
+            indexer_slot_mapping=view(self.indexer_slot_mapping_buffer, 0, T), c128a=c128a)
         if nd:
-            out.swa_decode_indices, out.swa_decode_lens = swa_rows[:nd], swa_lens[:nd]
-            out.indexer_context_lens, out.indexer_req_ids = context[:nd], req_ids[:nd]
-            out.indexer_decode_lens, out.indexer_block_rows = decode_lens[:nd], block_rows[:nd, :cols]
+            out.swa_decode_indices, out.swa_decode_lens = view(swa_rows, 0, nd), view(swa_lens, 0, nd)
+            out.indexer_context_lens, out.indexer_req_ids = view(context, 0, nd), view(req_ids, 0, nd)
+            out.indexer_decode_lens = view(decode_lens, 0, nd)
+            out.indexer_block_rows = view(block_rows, 0, nd, cols)
         if np_tokens:
-            out.swa_prefill_indices = swa_rows[nd:nd + np_tokens]
-            out.swa_prefill_lens = swa_lens[nd:nd + np_tokens]
+            out.swa_prefill_indices = view(swa_rows, nd, nd + np_tokens)
+            out.swa_prefill_lens = view(swa_lens, nd, nd + np_tokens)
         if num_prefills:
-            out.prefill_gather_lens = self.prefill_gather_lens_buffer[:num_prefills]
-            out.indexer_cu_compressed = cu[:num_prefills + 1]
-            out.indexer_token_to_seq = token_to_seq[:step["compressed"]]
-            out.indexer_cu_seqlen_ks, out.indexer_cu_seqlen_ke = ks[:np_tokens], ke[:np_tokens]
+            out.prefill_gather_lens = view(self.prefill_gather_lens_buffer, 0, num_prefills)
+            out.indexer_cu_compressed = view(cu, 0, num_prefills + 1)
+            out.indexer_token_to_seq = view(token_to_seq, 0, step["compressed"])
+            out.indexer_cu_seqlen_ks = view(ks, 0, np_tokens)
+            out.indexer_cu_seqlen_ke = view(ke, 0, np_tokens)
             if self.combined_prefill:
                 out.c128a_prefill_chunks, out.swa_prefill_chunks = step["c128a_plan"], step["swa_plan"]
-                c128a_width = combined_width(step["width"], self.window_size)
                 rows, lens = self.c128a_combined_buffers
-                out.c128a_combined_indices, out.c128a_combined_lens = (rows[:np_tokens, :c128a_width],
-                                                                       lens[:np_tokens])
+                out.c128a_combined_indices = view(
+                    rows, 0, np_tokens, combined_width(step["width"], self.window_size))
+                out.c128a_combined_lens = view(lens, 0, np_tokens)
                 rows, lens = self.swa_combined_buffers
-                out.swa_combined_indices = rows[:np_tokens, :combined_width(0, self.window_size)]
-                out.swa_combined_lens = lens[:np_tokens]
+                out.swa_combined_indices = view(rows, 0, np_tokens,
+                                                combined_width(0, self.window_size))
+                out.swa_combined_lens = view(lens, 0, np_tokens)
         if step["short"]:
-            out.c4a_short_context_topk_indices = self.short_context_buffer[:T]
+            out.c4a_short_context_topk_indices = view(self.short_context_buffer, 0, T)
         return out
 
     def _run_ops(self, out: DeepseekV4StepMetadata, step) -> None:

@@ -55,9 +55,17 @@ def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", deco
 
 
 def poison(builder):
+    """Every buffer poisoned as the kernels write them: torch CUDA buffers
+    through CuPy (DLPack), so torch sees no in-place change of the returned
+    views (a prepared build hands out views that torch did not change)."""
     for buffer in builder.buffers().values():
-        buffer[...] = True if buffer.dtype in (np.bool_,) or str(buffer.dtype) == "torch.bool" \
+        value = True if buffer.dtype in (np.bool_,) or str(buffer.dtype) == "torch.bool" \
             else POISON
+        if _kind(buffer) == "torch_cuda":
+            import cupy
+            cupy.from_dlpack(buffer)[...] = value
+        else:
+            buffer[...] = value
 
 
 def composition(cms, builder):
@@ -219,6 +227,10 @@ def test_bad_steps_are_refused_naming_the_group():
     with pytest.raises(ValueError, match=r"\['swa'\].seq_lens.*share the query layout"):
         builder.build(0, cms)
     cms = make_step(rng, 2, [30])
+    cms["c4a"].block_table_tensor = None
+    with pytest.raises(TypeError, match=r"\['c4a'\].block_table_tensor: expected an int32"):
+        builder.build(0, cms)
+    cms = make_step(rng, 2, [30])
     cms["c128a"].seq_lens_cpu = None
     with pytest.raises(ValueError, match="seq_lens_cpu: required"):
         builder.build(0, cms)
@@ -326,6 +338,10 @@ def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
         got.indexer_req_ids.unsqueeze_(0)
     again = builder.build(0, cms)
     assert again.indexer_req_ids.shape == (cms["c128a"].num_actual_tokens,)
+    if kind != "cupy":     # the same shape, other strides: torch's version counter sees it
+        rows = again.swa_decode_indices
+        rows.as_strided_(rows.shape, (1, 1, 1))
+        assert builder.build(0, cms).swa_decode_indices.stride() == (128, 128, 1)
 
 
 def test_the_step_kernel_refuses_a_section_it_does_not_have():

@@ -70,6 +70,35 @@ def test_c128a_rejects_strided_and_aliased_arrays():
         d4.build_c128a_topk_metadata(**args)
 
 
+def test_a_builders_buffers_refuse_inputs_inside_them():
+    from dsv4_cupy import arrays
+    buffers = [np.zeros(64, I32), np.zeros((4, 16), I32), np.zeros(8, I64)]
+    owned = arrays.OwnedBuffers([arrays.probe(f"buffer{i}", b) for i, b in enumerate(buffers)])
+    owned.check_inputs([arrays.probe("outside", np.zeros(64, I32)), None])
+    for i, inside in enumerate((buffers[0][60:], buffers[1][2, 3:5], buffers[2][:1])):
+        with pytest.raises(ValueError, match=f"buffer{i}: output memory overlaps inside"):
+            owned.check_inputs([arrays.probe("outside", np.zeros(4, I32)),
+                                arrays.probe("inside", inside)])
+    whole = np.zeros(64, I32)
+    with pytest.raises(ValueError, match="b: a buffer overlaps another one"):
+        arrays.OwnedBuffers([arrays.probe("a", whole[:40]), arrays.probe("b", whole[32:])])
+
+
+def test_views_of_one_torch_buffer_are_watched_by_one_read():
+    torch = pytest.importorskip("torch")
+    from dsv4_cupy import arrays
+    buffer = torch.zeros(8, 4, dtype=torch.int32)
+    first, second = buffer[:2], buffer[2:5, :3]
+    (watched, read), (other, _) = (arrays.owned_state_reader(first),
+                                   arrays.owned_state_reader(second))
+    assert watched is other is buffer
+    state = read(watched)
+    buffer.numpy()[...] = 7                 # written outside torch, as the kernels write
+    assert read(watched) == state
+    second.t_()                             # any in-place change through torch is seen
+    assert read(watched) != state
+
+
 def test_token_map_and_slot_mapping_reject():
     out = np.full(4, POISON, I32)
     with pytest.raises(TypeError, match="query_start_loc: expected dtype int32, got int64"):
