@@ -462,24 +462,14 @@ def _require_torch():
     return torch
 
 
-def launch_stream(kind: str, device: int) -> int:
-    """The stream handle a launch on ``device`` must use: CuPy's current stream
-    for cupy, torch's current stream for torch, so launches follow
-    ``with cupy.cuda.Stream()``, ``torch.cuda.stream(...)`` and graph captures."""
+def stream_getter(kind: str, device: int):
+    """A no-argument function returning the stream handle a launch on ``device``
+    must use now: CuPy's current stream for cupy, torch's current stream for
+    torch, so launches follow ``with cupy.cuda.Stream()``,
+    ``torch.cuda.stream(...)`` and graph captures (the lookups done once)."""
     if kind == TORCH_CUDA:
         torch = _torch()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # no Stream object
-        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    import cupy
-    return cupy.cuda.get_current_stream(device).ptr
-
-
-def stream_getter(kind: str, device: int):
-    """A no-argument function returning the stream handle a launch on ``device``
-    must use now (``launch_stream``, with the lookups done once)."""
-    if kind == TORCH_CUDA:
-        torch = _torch()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             return lambda: raw(device)
         return lambda: torch.cuda.current_stream(device).cuda_stream

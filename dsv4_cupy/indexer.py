@@ -6,8 +6,12 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
+from .prepared import PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+_PREPARED_PREFILL = PreparedOp("build_indexer_prefill_chunk_metadata")
+_PREPARED_DECODE = PreparedOp("build_indexer_decode_metadata")
 
 
 def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_ratio: int,
@@ -55,6 +59,11 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
     Each block of the launch sums the lengths before its request, so the work
     grows with ``R**2``: meant for a chunk's requests (hundreds), not more.
     """
+    key, results = _PREPARED_PREFILL.replay(validate, out, query_start_loc, seq_lens,
+                                            compress_ratio, query_slice_start, query_slice_stop,
+                                            num_compressed)
+    if results is not None:
+        return results
     cu_out, token_to_seq_out, ks_out, ke_out = arrays.out_buffers(
         out, ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"))
     kind, device, ops = arrays.probe_all({
@@ -86,24 +95,24 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
         validation.indexer_prefill_inputs(query_start_loc, seq_lens, kind, compress_ratio,
                                           query_slice_stop, num_compressed)
 
+    results = (cu.array[:num_reqs + 1], token_to_seq.array[:num_compressed],
+               ks.array[:num_queries], ke.array[:num_queries])
     if kind in arrays.GPU_KINDS:
-        families.INDEXER_PREFILL.launch(
+        plans = (families.INDEXER_PREFILL.plan(
             device, min(num_reqs + 1, geometry.MAX_GRID_STRIDE_BLOCKS),
-            arrays.launch_stream(kind, device),
             query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                              num_reqs=num_reqs),
             cu_compressed=cu.ptr, token_to_seq=token_to_seq.ptr, seqlen_ks=ks.ptr,
             seqlen_ke=ke.ptr, num_compressed=num_compressed, ratio=compress_ratio,
-            query_slice_start=query_slice_start, query_slice_stop=query_slice_stop)
-    else:
-        view = arrays.kernel_view
-        cpu.indexer_prefill_chunk_metadata(
-            view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind),
-            np.int64(compress_ratio), np.int64(query_slice_start), np.int64(query_slice_stop),
-            view(cu.array, kind), view(token_to_seq.array, kind)[:num_compressed],
-            view(ks.array, kind), view(ke.array, kind))
-    return (cu.array[:num_reqs + 1], token_to_seq.array[:num_compressed],
-            ks.array[:num_queries], ke.array[:num_queries])
+            query_slice_start=query_slice_start, query_slice_stop=query_slice_stop),)
+        return _PREPARED_PREFILL.launch(key, plans, kind, device, results, results)
+    view = arrays.kernel_view
+    cpu.indexer_prefill_chunk_metadata(
+        view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind),
+        np.int64(compress_ratio), np.int64(query_slice_start), np.int64(query_slice_stop),
+        view(cu.array, kind), view(token_to_seq.array, kind)[:num_compressed],
+        view(ks.array, kind), view(ke.array, kind))
+    return results
 
 
 def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_tokens: int,
@@ -142,6 +151,10 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
     vLLM #51593), ``b``, 1, ``block_table[b]``. A padding token: 0, the distinct
     id ``R + (t - query_start_loc[R])``, 1, zeros.
     """
+    key, results = _PREPARED_DECODE.replay(validate, out, query_start_loc, seq_lens,
+                                           block_table, num_tokens, compress_ratio)
+    if results is not None:
+        return results
     context_out, req_out, decode_out, rows_out = arrays.out_buffers(
         out, ("context_lens", "req_ids", "decode_lens", "block_rows"))
     kind, device, ops = arrays.probe_all({
@@ -165,25 +178,26 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
         validation.query_layout(query_start_loc, seq_lens, kind, num_reqs, num_tokens)
 
     context_len = context.shape[0]
+    results = (context.array[:num_tokens], req_ids.array[:num_tokens],
+               decode.array[:num_tokens], rows.array[:num_tokens, :cols])
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if context_len:
-            families.INDEXER_DECODE.launch(
+            plans = (families.INDEXER_DECODE.plan(
                 device, geometry.indexer_decode_blocks(num_tokens, cols, context_len),
-                arrays.launch_stream(kind, device),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 table=arrays.block_table_group(table), context_lens=context.ptr,
                 req_ids=req_ids.ptr, decode_lens=decode.ptr, block_rows=rows.ptr,
                 block_rows_stride=arrays.row_stride(rows), num_tokens=num_tokens,
-                context_lens_len=context_len, ratio=compress_ratio)
-    else:
-        view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
-        flat_table, table_stride = view_2d(block_table, kind)
-        flat_rows, rows_stride = view_2d(rows.array, kind)
-        cpu.indexer_decode_metadata(
-            view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind), flat_table,
-            table_stride, np.int64(cols), np.int64(num_tokens), np.int64(compress_ratio),
-            view(context.array, kind), view(req_ids.array, kind), view(decode.array, kind),
-            flat_rows, rows_stride)
-    return (context.array[:num_tokens], req_ids.array[:num_tokens], decode.array[:num_tokens],
-            rows.array[:num_tokens, :cols])
+                context_lens_len=context_len, ratio=compress_ratio),)
+        return _PREPARED_DECODE.launch(key, plans, kind, device, results, results)
+    view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
+    flat_table, table_stride = view_2d(block_table, kind)
+    flat_rows, rows_stride = view_2d(rows.array, kind)
+    cpu.indexer_decode_metadata(
+        view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind), flat_table,
+        table_stride, np.int64(cols), np.int64(num_tokens), np.int64(compress_ratio),
+        view(context.array, kind), view(req_ids.array, kind), view(decode.array, kind),
+        flat_rows, rows_stride)
+    return results

@@ -79,11 +79,6 @@ class KernelFamily:
                          f"{{ dsv4::{self.function}{targs}(p); }}")
         return "\n".join(lines) + "\n"
 
-    def launch(self, device: int, blocks: int, stream: int, variant: tuple = (), **fields):
-        """Launch on ``device`` (THREADS per block) on the stream handle ``stream``,
-        with the struct's fields by name."""
-        launch(self, self._names[variant], device, blocks, stream, fields)
-
     def plan(self, device: int, blocks: int, variant: tuple = (), **fields) -> "LaunchPlan":
         """A launch with every field fixed, to run again and again (see ``LaunchPlan``)."""
         return LaunchPlan(self, self._names[variant], device, blocks, fields)
@@ -284,26 +279,6 @@ def compile_for(family: KernelFamily, arch: str) -> bytes:
         nvrtc.destroyProgram(program)
 
 
-class _LaunchBuffers(threading.local):
-    """Per-thread parameter buffers at fixed addresses: cuLaunchKernel copies the
-    parameters during the call, so one buffer per struct can serve every launch."""
-
-    def __init__(self):
-        self.by_params: dict = {}
-        self.bound_devices: set = set()   # devices whose context this thread has made current
-
-    def get(self, params: Params) -> tuple:
-        found = self.by_params.get(params)
-        if found is None:
-            storage = np.zeros(params.size, np.uint8)
-            pointers = np.array([storage.ctypes.data], np.uint64)   # void* kernelParams[1]
-            found = self.by_params[params] = (storage, pointers, pointers.ctypes.data)
-        return found
-
-
-_BUFFERS = _LaunchBuffers()
-
-
 class LaunchPlan:
     """One launch of one entry point with every struct field fixed: packed once
     into storage the plan owns (cuLaunchKernel copies it at each call, so
@@ -379,31 +354,3 @@ class PlanCache:
     def clear(self) -> None:
         self._plans.clear()
 
-
-def launch(family: KernelFamily, entry: str, device: int, blocks: int, stream: int,
-           fields: dict) -> None:
-    """Launch ``entry`` of ``family`` straight through ``cuLaunchKernel``: CuPy's
-    generic argument handling costs several microseconds per launch, and the
-    struct is typed by ``params``."""
-    cupy = devices.cupy_module()
-    if cupy.cuda.runtime.getDevice() != device:
-        with cupy.cuda.Device(device):
-            return launch(family, entry, device, blocks, stream, fields)
-    if device not in _BUFFERS.bound_devices:
-        # cuLaunchKernel needs the device's context current on this thread;
-        # cudaSetDevice makes it so (a new thread may not have it yet).
-        cupy.cuda.runtime.setDevice(device)
-        _BUFFERS.bound_devices.add(device)
-    storage, _, kernel_params = _BUFFERS.get(family.params)
-    family.params.pack_into(storage, **fields)
-    context = context_key(_context())
-    driver = cupy.cuda.driver
-    try:
-        driver.launchKernel(get(family, entry, context).ptr, blocks, 1, 1, THREADS, 1, 1, 0,
-                            stream, kernel_params, 0)
-    except driver.CUDADriverError as error:
-        if error.status not in _STALE_HANDLE_ERRORS:
-            raise
-        forget_context(context)      # a reset context may come back under the same handle
-        driver.launchKernel(get(family, entry, context).ptr, blocks, 1, 1, THREADS, 1, 1, 0,
-                            stream, kernel_params, 0)

@@ -6,11 +6,14 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
+from .prepared import PreparedOp
 from .scalars import check_int
 from .spec import cdiv
 
 #: Upstream's ``window_size`` default (DeepSeek-V4's sliding window).
 DEFAULT_WINDOW_SIZE = 128
+
+_PREPARED_GATHER = PreparedOp("compute_prefill_gather_lens")
 
 
 def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num_prefills: int,
@@ -38,6 +41,10 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
     request's query length ``q`` and sequence length ``L``: its queries and the
     window before the first one.
     """
+    key, results = _PREPARED_GATHER.replay(validate, (out,), query_start_loc, seq_lens,
+                                           num_decodes, num_prefills, window_size)
+    if results is not None:
+        return results
     kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc,
                                           "seq_lens": seq_lens, "out": out})
     qsl, seq = ops["query_start_loc"], ops["seq_lens"]
@@ -52,21 +59,22 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
     if validation.check_mode(validate):
         validation.query_layout(query_start_loc, seq_lens, kind, num_reqs)
 
+    result = lens.array[:num_prefills]
     if kind in arrays.GPU_KINDS:
+        plans = ()
         if num_prefills:
-            families.PREFILL_GATHER.launch(
+            plans = (families.PREFILL_GATHER.plan(
                 device, geometry.elementwise_blocks(num_prefills),
-                arrays.launch_stream(kind, device),
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 out=lens.ptr, num_decodes=num_decodes, num_prefills=num_prefills,
-                window_size=window_size)
-    else:
-        cpu.prefill_gather_lens(
-            arrays.kernel_view(query_start_loc, kind), arrays.kernel_view(seq_lens, kind),
-            np.int64(num_decodes), np.int64(num_prefills), np.int64(window_size),
-            arrays.kernel_view(lens.array, kind))
-    return lens.array[:num_prefills]
+                window_size=window_size),)
+        return _PREPARED_GATHER.launch(key, plans, kind, device, result, (result,))
+    cpu.prefill_gather_lens(
+        arrays.kernel_view(query_start_loc, kind), arrays.kernel_view(seq_lens, kind),
+        np.int64(num_decodes), np.int64(num_prefills), np.int64(window_size),
+        arrays.kernel_view(lens.array, kind))
+    return result
 
 
 def _host_lengths(name: str, values) -> list[int]:

@@ -7,21 +7,43 @@
 // 0, reading no table entry. With `compact` the valid entries are packed to
 // the front in order, -1 after.
 //
-// Every entry of a group is read, and its block looked up, before the block
-// synchronises: one round of dependent loads per group, spread over the
-// block's eight warps (a row's 512 scattered table reads are too many for one
-// warp's outstanding loads). In place (out == topk_indices) is safe: writes
-// come after that barrier and land below the group's end (packing only moves
-// entries left), so no unread entry is overwritten.
+// Every entry of a group is read, and its block looked up, before any is
+// written: one round of dependent loads per group, spread over the block's
+// eight warps (a row's 512 scattered table reads are too many for one warp's
+// outstanding loads). In place (out == topk_indices) is safe: a thread writes
+// only entries it has read, and with `compact` writes come after the group's
+// barrier and land below the group's end (packing only moves entries left),
+// so no unread entry is overwritten. Without `compact` (the usual case) the
+// rows are written as they are read and counted once per row, at its end.
 #include "common.cuh"
 
 namespace dsv4 {
 constexpr int kGroupSlices = 4;                    // entries per thread per group
 constexpr int kWarps = DSV4_THREADS / 32;
 
+// This thread's entries of one group of row t: values, and whether each is valid.
+struct TopkGroup {
+    int value[kGroupSlices];
+    bool valid[kGroupSlices];
+
+    __device__ __forceinline__ TopkGroup(const int* source, i64 group, i64 width,
+                                         const int* __restrict__ block_row, i64 columns,
+                                         const BlockDivisor& bs) {
+#pragma unroll
+        for (int s = 0; s < kGroupSlices; ++s) {
+            const i64 k = group + s * DSV4_THREADS + threadIdx.x;
+            const int x = k < width ? source[k] : -1;
+            valid[s] = x >= 0 && bs.div(x) < columns;
+            value[s] = valid[s] ? block_slot(block_row[bs.div(x)], bs.size, bs.mod(x))
+                                : DSV4_PAD_SLOT_ID;
+        }
+    }
+};
+
 __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
                                                              const Blocks& blocks = whole_grid()) {
     __shared__ int warp_counts[kGroupSlices][kWarps];
+    __shared__ i64 row_counts[kWarps];
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
@@ -35,18 +57,26 @@ __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkPar
             p.table.entries + (usable ? req : 0) * p.table.row_stride;
         const int* source = p.topk_indices + t * p.topk_stride;
         int* target = p.out + t * p.out_stride;
+        if (!p.compact) {
+            i64 mine = 0;        // this thread's valid entries
+            for (i64 group = 0; group < p.width; group += kGroupSlices * DSV4_THREADS) {
+                const TopkGroup g(source, group, p.width, block_row, columns, bs);
+#pragma unroll
+                for (int s = 0; s < kGroupSlices; ++s) {
+                    const i64 k = group + s * DSV4_THREADS + threadIdx.x;
+                    if (k < p.width) target[k] = g.value[s];
+                    mine += g.valid[s];
+                }
+            }
+            const i64 count = block_sum(mine, row_counts);
+            if (threadIdx.x == 0) p.lens[t] = (int)count;
+            continue;
+        }
         i64 count = 0;           // valid entries of the earlier groups (same in every thread)
         for (i64 group = 0; group < p.width; group += kGroupSlices * DSV4_THREADS) {
-            int value[kGroupSlices];
-            bool valid[kGroupSlices];
-#pragma unroll
-            for (int s = 0; s < kGroupSlices; ++s) {
-                const i64 k = group + s * DSV4_THREADS + threadIdx.x;
-                const int x = k < p.width ? source[k] : -1;
-                valid[s] = x >= 0 && bs.div(x) < columns;
-                value[s] = valid[s] ? block_slot(block_row[bs.div(x)], bs.size, bs.mod(x))
-                                    : DSV4_PAD_SLOT_ID;
-            }
+            const TopkGroup g(source, group, p.width, block_row, columns, bs);
+            const int* value = g.value;
+            const bool* valid = g.valid;
             unsigned ballots[kGroupSlices];
 #pragma unroll
             for (int s = 0; s < kGroupSlices; ++s) {
@@ -63,19 +93,15 @@ __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkPar
                     slice_before += w < warp ? warp_counts[s][w] : 0;
                     slice_total += warp_counts[s][w];
                 }
-                if (k < p.width) {
-                    if (!p.compact) target[k] = value[s];
-                    else if (valid[s])
-                        target[before + slice_before + __popc(ballots[s] & lanes_before)] = value[s];
-                }
+                if (k < p.width && valid[s])
+                    target[before + slice_before + __popc(ballots[s] & lanes_before)] = value[s];
                 before += slice_total;
             }
             count = before;
             __syncthreads();     // warp_counts is free for the next group
         }
-        if (p.compact)
-            for (i64 k = count + threadIdx.x; k < p.width; k += DSV4_THREADS)
-                target[k] = DSV4_PAD_SLOT_ID;
+        for (i64 k = count + threadIdx.x; k < p.width; k += DSV4_THREADS)
+            target[k] = DSV4_PAD_SLOT_ID;
         if (threadIdx.x == 0) p.lens[t] = (int)count;
     }
 }

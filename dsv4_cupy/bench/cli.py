@@ -147,11 +147,10 @@ def ceilings(torch, timer: GpuTimer) -> dict:
     write_us = timer.graph_us(lambda: a.fill_(-1), reps=5)
     copy_us = timer.graph_us(lambda: b.copy_(a), reps=5)
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel").kernel
-    dev = torch.cuda.current_device()
+    stream = arrays.stream_getter(arrays.TORCH_CUDA, torch.cuda.current_device())
 
     def launch_empty():
-        cupy.cuda.driver.launchKernel(empty.ptr, 1, 1, 1, 32, 1, 1, 0,
-                                      arrays.launch_stream(arrays.TORCH_CUDA, dev), 0, 0)
+        cupy.cuda.driver.launchKernel(empty.ptr, 1, 1, 1, 32, 1, 1, 0, stream(), 0, 0)
     floor_us = timer.graph_us(launch_empty)
     return {"write_GBps": 4 * n / write_us / 1e3, "copy_GBps": 2 * 4 * n / copy_us / 1e3,
             "empty_launch_us": floor_us}
