@@ -211,6 +211,7 @@ class DeepseekV4StepMetadataBuilder:
                           else None)
         self._captured = None
         self._views: dict = {}
+        self._checked = PlanCache(_MAX_CACHED_STEPS)      # checked arrays by _layout_key
 
     def buffers(self) -> dict:
         """Every persistent buffer the builds write, by name (the C128A group's
@@ -313,18 +314,18 @@ class DeepseekV4StepMetadataBuilder:
                                 f"{type(common_attn_metadata[group]).__name__}")
         return common_attn_metadata
 
-    def _step_key(self, cms: dict, capturing: bool):
-        """What a decode step's checks depend on, from attributes alone; None
-        for a step that takes the full path every time (prefills, groups that
-        do not share the C128A group's query arrays as the same objects)."""
+    def _layout_key(self, cms: dict, *more):
+        """What the checks of a step's arrays depend on, from attributes alone
+        (with ``more`` of the caller's); None for a step that is checked in
+        full every time (groups that do not share the C128A group's query
+        arrays as the same objects, maxima that are not ints >= 0)."""
         try:
             cm, swa, c4a, indexer = cms["c128a"], cms["swa"], cms["c4a"], cms["indexer"]
         except (KeyError, TypeError):
             return None
-        base = self.c128a_builder
         if len(cms) != len(GROUPS) or type(cm) is not CommonAttentionMetadata \
                 or type(cm.max_query_len) is not int or type(cm.max_seq_len) is not int \
-                or cm.max_query_len < 0 or cm.max_seq_len < 0 or not base.uniform_decode(cm):
+                or cm.max_query_len < 0 or cm.max_seq_len < 0:
             return None
         for other in (swa, c4a, indexer):
             if type(other) is not CommonAttentionMetadata \
@@ -332,9 +333,20 @@ class DeepseekV4StepMetadataBuilder:
                     or other.seq_lens is not cm.seq_lens or other.num_reqs != cm.num_reqs \
                     or other.num_actual_tokens != cm.num_actual_tokens:
                 return None
-        return base._step_key(cm, self._width(cm, capturing), self._short_context(cm, capturing),
-                              capturing, swa.block_table_tensor, swa.slot_mapping,
-                              c4a.block_table_tensor, indexer.block_table_tensor)
+        return self.c128a_builder._step_key(cm, swa.block_table_tensor, swa.slot_mapping,
+                                            c4a.block_table_tensor, indexer.block_table_tensor,
+                                            *more)
+
+    def _step_key(self, cms: dict, capturing: bool):
+        """What a decode step's checks and launch depend on, from attributes
+        alone; None for a step that takes the full path every time (prefills,
+        and as ``_layout_key``)."""
+        cm = cms.get("c128a") if type(cms) is dict else None
+        if type(cm) is not CommonAttentionMetadata or type(cm.max_query_len) is not int \
+                or not self.c128a_builder.uniform_decode(cm):
+            return None
+        return self._layout_key(cms, self._width(cm, capturing),
+                                self._short_context(cm, capturing), capturing)
 
     def _width(self, cm, capturing: bool) -> int:
         """C128A columns written (``max_seq_len`` an int >= 0): the capacity in a
@@ -450,10 +462,19 @@ class DeepseekV4StepMetadataBuilder:
     def _build_checked(self, common_attn_metadata, capturing: bool) -> DeepseekV4StepMetadata:
         cms = self._group_metadata(common_attn_metadata)
         base, cm = self.c128a_builder, cms["c128a"]
-        num_tokens, qsl_cpu, ops128 = base._check_step(cm)
-        groups = self._check_groups(cms, ops128)
-        self._owned.check_inputs([*ops128.values(),
-                                  *(op for ops in groups.values() for op in ops.values())])
+        # A step with prefills makes its host decisions every time; the checks of
+        # its arrays are those of the last step with the same layouts (GPU).
+        layout = self._layout_key(cms) if self._prepared is not None else None
+        checked = self._checked.get(layout) if layout is not None else None
+        if checked is None:
+            num_tokens, qsl_cpu, ops128 = base._check_step(cm)
+            groups = self._check_groups(cms, ops128)
+            self._owned.check_inputs([*ops128.values(),
+                                      *(op for ops in groups.values() for op in ops.values())])
+            if layout is not None:
+                self._checked.put(layout, (num_tokens, qsl_cpu, ops128, groups))
+        else:
+            num_tokens, qsl_cpu, ops128, groups = checked
         host_qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)
         host_prefilling = None
         if not base.treat_short_extends_as_decodes and cm.num_reqs:
@@ -498,12 +519,15 @@ class DeepseekV4StepMetadataBuilder:
         that the caller changed in place is replaced, never handed out again."""
         key = (id(buffer), start, stop, cols)
         cached = self._views.get(key)
-        if cached is not None and arrays.owned_state(cached[0]) == cached[1]:
-            return cached[0]
+        if cached is not None:
+            view, watched, read, state = cached
+            if read(watched) == state:
+                return view
         view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]
         if len(self._views) >= _MAX_CACHED_VIEWS:
             self._views.clear()
-        self._views[key] = (view, arrays.owned_state(view))
+        watched, read = arrays.owned_state_reader(view)
+        self._views[key] = (view, watched, read, read(watched))
         return view
 
     def _metadata(self, cm, split, views, step) -> DeepseekV4StepMetadata:

@@ -344,6 +344,37 @@ def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
         assert builder.build(0, cms).swa_decode_indices.stride() == (128, 128, 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_prefill_step_with_known_layouts_reuses_the_checks(kind, monkeypatch):
+    """A step with prefills whose arrays have the layouts of an earlier one is
+    not checked again, but its host decisions (split, chunk plans) are made
+    from its own values: new query and sequence lengths give the ops' rows."""
+    rng = np.random.default_rng(12)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC, combined_prefill=True,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    cms = make_step(rng, 3, [40, 300], 2, False, kind, decode_len=2)
+    builder.build(0, cms)
+    monkeypatch.setattr(builder, "_check_groups",
+                        lambda *args: pytest.fail("a step of known layouts was checked again"))
+    fresh = make_step(rng, 3, [200, 140], 2, False, "numpy", decode_len=2)   # the same counts
+    for group, cm in cms.items():
+        for name in ("block_table_tensor", "slot_mapping"):
+            getattr(cm, name)[...] = to_kind(getattr(fresh[group], name), kind)
+    c128a, new = cms["c128a"], fresh["c128a"]
+    for name in ("query_start_loc", "seq_lens", "positions"):
+        getattr(c128a, name)[...] = to_kind(getattr(new, name), kind)
+    c128a.query_start_loc_cpu[...] = new.query_start_loc_cpu
+    c128a.seq_lens_cpu[...] = new.seq_lens_cpu
+    for cm in cms.values():
+        cm.max_query_len, cm.max_seq_len = new.max_query_len, new.max_seq_len
+    poison(builder)
+    got = builder.build(0, cms)
+    assert got.num_decodes == 3 and got.num_prefills == 2
+    assert_equal(got, composition(cms, builder))
+
+
 def test_the_step_kernel_refuses_a_section_it_does_not_have():
     from dsv4_cupy.step_kernel import step_plan
     with pytest.raises(KeyError, match="swa_rows"):

@@ -123,17 +123,22 @@ class GpuTimer:
             times.append(start.elapsed_time(end) * 1e3 / reps)
         return float(np.median(times))
 
-    def host_us(self, fn, reps=200):
+    def host_us(self, fn, reps=400, rounds=5):
+        """Eager wall time per call: the median of ``rounds`` rounds of ``reps``
+        calls, each round from an idle stream (one slow round, a collection or
+        a neighbour's burst, does not move it)."""
         torch = self.torch
         for _ in range(10):
             fn()
+        per_call = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            per_call.append((time.perf_counter() - start) / reps * 1e6)
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return elapsed / reps * 1e6
+        return float(np.median(per_call))
 
 
 def ceilings(torch, timer: GpuTimer) -> dict:

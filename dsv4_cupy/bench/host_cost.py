@@ -1,7 +1,7 @@
 """Host cost per call, next to the launch floor measured in the same run.
 
 What a serving loop waits for before each step: the eager wall time of one
-call (``GpuTimer.host_us``: many calls back to back, then one sync), with torch
+call (``GpuTimer.host_us``: the median of five rounds of calls back to back), with torch
 CUDA tensors and ``out=`` buffers, for every op and builder case. The floor is
 a bare ``cuLaunchKernel`` of an empty kernel taking one 256-byte struct, the
 same launch path the library uses; Triton's launcher (7 tensors, 2 ints) is
@@ -24,8 +24,9 @@ def launch_floor_us(timer, torch) -> float:
     device = torch.cuda.current_device()
     stream = arrays.stream_getter(arrays.TORCH_CUDA, device)
     launch = cupy.cuda.driver.launchKernel
-    return timer.host_us(lambda: launch(function.ptr, 1, 1, 1, 32, 1, 1, 0, stream(),
-                                        pointers.ctypes.data, 0), reps=5000)
+    kernel, kernel_params = function.ptr, pointers.ctypes.data      # read once, as a plan does
+    return timer.host_us(lambda: launch(kernel, 1, 1, 1, 32, 1, 1, 0, stream(), kernel_params, 0),
+                         reps=1000)
 
 
 def triton_launcher_us(timer, torch) -> float | None:
@@ -34,7 +35,7 @@ def triton_launcher_us(timer, torch) -> float | None:
     except ImportError:
         return None
     x = torch.zeros(1024, dtype=torch.int32, device="cuda")
-    return timer.host_us(lambda: empty_launch([x] * 7, 1, 2), reps=2000)
+    return timer.host_us(lambda: empty_launch([x] * 7, 1, 2))
 
 
 def op_cases(torch, make_step) -> list[tuple[str, object]]:
@@ -87,7 +88,7 @@ def host_rows(timer, torch, make_step, max_model_len, max_tokens) -> tuple[list[
     rows = []
     for name, call in (op_cases(torch, make_step)
                        + builder_cases(torch, make_step, max_model_len, max_tokens)):
-        host = timer.host_us(call, reps=2000)
+        host = timer.host_us(call)
         rows.append({"op": "host", "case": name, "host_us": host, "x_floor": host / floor,
                      "x_triton": host / triton_us if triton_us else None})
     return rows, {"launch_floor_us": floor, "triton_launcher_us": triton_us}
