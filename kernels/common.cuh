@@ -88,23 +88,35 @@ __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, i64 width)
     return numerator <= 0 ? 0 : (int)clamp_i64(quotient(numerator, ratio), 0, width);
 }
 
-// Division by the storage block size: a shift for powers of two (2 for C128A).
-struct BlockDivisor {
+// Division by the storage block size: a shift for powers of two (every
+// DeepSeek-V4 block size), a division otherwise. A kernel picks one of the two
+// once, with with_block_divisor: a choice per element puts the division's
+// code between the loads of a row, and instruction fetches were the largest
+// stall of the one-row SWA kernel on the H200 (ncu) when it did.
+struct ShiftDivisor {
     int size, shift;
-    __device__ __forceinline__ explicit BlockDivisor(int s)
-        : size(s), shift(__popc(s) == 1 ? __ffs(s) - 1 : -1) {}
-    __device__ __forceinline__ int div(int e) const { return shift >= 0 ? e >> shift : e / size; }
-    __device__ __forceinline__ int mod(int e) const {
-        return shift >= 0 ? e & (size - 1) : e % size;
-    }
+    __device__ __forceinline__ int div(int e) const { return e >> shift; }
+    __device__ __forceinline__ int mod(int e) const { return e & (size - 1); }
 };
+struct PlainDivisor {
+    int size;
+    __device__ __forceinline__ int div(int e) const { return e / size; }
+    __device__ __forceinline__ int mod(int e) const { return e % size; }
+};
+// f(divisor) with the divisor that fits `size` (> 0).
+template <typename F>
+__device__ __forceinline__ void with_block_divisor(int size, const F& f) {
+    if (__popc(size) == 1) f(ShiftDivisor{size, __ffs(size) - 1});
+    else f(PlainDivisor{size});
+}
 
 // Column e of a C128A row with n addressable rows: -1 past n; a decode row
 // (block_row != nullptr) holds block_row[e / bs] * bs + e % bs, computed in 32
 // bits like the seed; a prefill row holds e. n never exceeds the row's
 // columns times bs, so the table read stays inside the row.
+template <typename Divisor>
 __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__ block_row,
-                                           const BlockDivisor& bs) {
+                                           const Divisor& bs) {
     if (e >= n) return DSV4_PAD_SLOT_ID;
     if (block_row == nullptr) return e;
     return (int)((unsigned)block_row[bs.div(e)] * (unsigned)bs.size + (unsigned)bs.mod(e));
@@ -140,9 +152,10 @@ __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int 
 __device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0, int c1, int n,
                                                    const int* __restrict__ block_row,
                                                    int block_size) {
-    const BlockDivisor bs(block_size);
-    fill_columns(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
-                 [&](int e) { return c128a_value(e, n, block_row, bs); });
+    with_block_divisor(block_size, [&](auto bs) {
+        fill_columns(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
+                     [&](int e) { return c128a_value(e, n, block_row, bs); });
+    });
 }
 
 // The piece of the row grid that this block writes: token t, columns [c0, c1).

@@ -26,9 +26,10 @@ struct TopkGroup {
     int value[kGroupSlices];
     bool valid[kGroupSlices];
 
+    template <typename Divisor>
     __device__ __forceinline__ TopkGroup(const int* source, i64 group, i64 width,
                                          const int* __restrict__ block_row, i64 columns,
-                                         const BlockDivisor& bs) {
+                                         const Divisor& bs) {
 #pragma unroll
         for (int s = 0; s < kGroupSlices; ++s) {
             const i64 k = group + s * DSV4_THREADS + threadIdx.x;
@@ -40,15 +41,15 @@ struct TopkGroup {
     }
 };
 
-__device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
-                                                             const Blocks& blocks = whole_grid()) {
+template <typename Divisor>
+__device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
+                                                 const Divisor& bs) {
     __shared__ int warp_counts[kGroupSlices][kWarps];
     __shared__ i64 row_counts[kWarps];
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
     const unsigned lanes_before = (1u << lane) - 1u;
-    const BlockDivisor bs((int)p.block_size);
     for (i64 t = blocks.index; t < p.num_tokens; t += blocks.count) {
         const i64 req = p.token_to_req[t];
         const bool usable = is_valid[t] && req >= 0 && req < p.table.rows;
@@ -104,6 +105,11 @@ __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkPar
             target[k] = DSV4_PAD_SLOT_ID;
         if (threadIdx.x == 0) p.lens[t] = (int)count;
     }
+}
+
+__device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
+                                                             const Blocks& blocks = whole_grid()) {
+    with_block_divisor((int)p.block_size, [&](auto bs) { global_topk_rows(p, blocks, bs); });
 }
 
 }  // namespace dsv4

@@ -10,11 +10,12 @@
 #include "common.cuh"
 
 namespace dsv4 {
+template <typename Divisor>
 struct SwaRow {
     const int* __restrict__ block_row;
     i64 first_column;
     int first_within, count;
-    BlockDivisor bs;
+    Divisor bs;
 
     // Window entry k sits first_within + k rows past the first column's start;
     // k < count keeps its column inside the table row.
@@ -39,27 +40,29 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
                                          const TokenOf& token_of) {
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 requests = min(p.query.num_reqs, p.table.rows);
-    fill_warp_rows(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size,
-                   blocks, [&](i64 i) {
-        SwaRow row{nullptr, 0, 0, 0, BlockDivisor((int)p.block_size)};
-        const i64 t = i + p.token_offset;
-        const SwaToken token = token_of(t);
-        const bool valid = token.valid;
-        const i64 b = token.request;
-        if (requests <= 0) return row;
-        const bool in_table = b >= 0 && b < requests;
-        const i64 request = in_table ? b : 0;
-        const i64 qs = qsl[request];
-        const i64 position = (i64)p.query.seq_lens[request] - ((i64)qsl[request + 1] - qs) +
-                             (t - qs);
-        if (!valid || !in_table || position < 0) return row;
-        const i64 start = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
-        row.count = (int)clamp_i64(min(position + 1 - start, p.table.cols * p.block_size - start),
-                                   0, p.window_size);
-        row.block_row = p.table.entries + request * p.table.row_stride;
-        row.first_column = quotient(start, p.block_size);
-        row.first_within = (int)(start - row.first_column * p.block_size);
-        return row;
+    with_block_divisor((int)p.block_size, [&](auto bs) {
+        fill_warp_rows(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size,
+                       blocks, [&](i64 i) {
+            SwaRow<decltype(bs)> row{nullptr, 0, 0, 0, bs};
+            const i64 t = i + p.token_offset;
+            const SwaToken token = token_of(t);
+            const bool valid = token.valid;
+            const i64 b = token.request;
+            if (requests <= 0) return row;
+            const bool in_table = b >= 0 && b < requests;
+            const i64 request = in_table ? b : 0;
+            const i64 qs = qsl[request];
+            const i64 position = (i64)p.query.seq_lens[request] - ((i64)qsl[request + 1] - qs) +
+                                 (t - qs);
+            if (!valid || !in_table || position < 0) return row;
+            const i64 start = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
+            row.count = (int)clamp_i64(min(position + 1 - start, p.table.cols * p.block_size - start),
+                                       0, p.window_size);
+            row.block_row = p.table.entries + request * p.table.row_stride;
+            row.first_column = quotient(start, p.block_size);
+            row.first_within = (int)(start - row.first_column * p.block_size);
+            return row;
+        });
     });
 }
 
