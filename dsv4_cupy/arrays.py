@@ -9,6 +9,7 @@ cupy and torch are imported only when an array of theirs shows up.
 from __future__ import annotations
 
 import bisect
+import math
 import sys
 from typing import Any, NamedTuple
 
@@ -277,27 +278,28 @@ class OwnedBuffers:
     with their spans computed once and a bisection per input."""
 
     def __init__(self, buffers: list):
+        """``buffers``: probed whole, contiguous arrays (any number of axes)."""
         self._ops = sorted((op for op in buffers if op is not None and 0 not in op.shape),
                            key=lambda op: op.ptr)
-        self._spans = [_span(op) for op in self._ops]
+        self._spans = [(op.ptr, op.ptr + math.prod(op.shape) * op.dtype.itemsize)
+                       for op in self._ops]
         self._ends = [hi for _, hi in self._spans]
         for (_, end), (start, _), op in zip(self._spans, self._spans[1:], self._ops[1:]):
             if start < end:             # the bisection needs disjoint spans
                 raise ValueError(f"{op.name}: a buffer overlaps another one")
 
     def check_inputs(self, inputs) -> None:
+        """Raise ``ValueError`` naming the buffer and the input when a checked
+        input shares a byte with a buffer (a buffer is written whole)."""
         ops, spans = self._ops, self._spans
         for other in inputs:
             if other is None:
                 continue
-            other_span = _span(other)
-            lo, hi = other_span
+            lo, hi = _span(other)
             index = bisect.bisect_right(self._ends, lo)
-            while index < len(ops) and spans[index][0] < hi:
-                if _overlap(ops[index], other, spans[index], other_span):
-                    raise ValueError(f"{ops[index].name}: output memory overlaps {other.name}; "
-                                     f"pass separate buffers for outputs and inputs")
-                index += 1
+            if lo < hi and index < len(ops) and spans[index][0] < hi:
+                raise ValueError(f"{ops[index].name}: output memory overlaps {other.name}; "
+                                 f"pass separate buffers for outputs and inputs")
 
 
 def block_table_group(op: Operand) -> tuple:
@@ -308,7 +310,7 @@ def block_table_group(op: Operand) -> tuple:
 
 
 def _numpy_state(x) -> tuple:
-    return x.shape, x.strides, x.flags.writeable
+    return x.shape, x.strides, x.dtype, x.flags.writeable
 
 
 def _torch_state(x) -> tuple:
@@ -344,8 +346,9 @@ def owned_state_reader(x) -> tuple:
     all views of one buffer share and every in-place torch op on any of them
     bumps (``resize_``, ``t_``, ``as_strided_``, ``set_``, a write; not the
     kernels' writes, nor assigning ``.data``): one read covers every view of a
-    buffer. Other kinds: the view itself and ``view_state``."""
-    if _family(x) is _TORCH:
+    buffer. Inference tensors have no version counter: their views are
+    watched by ``view_state``, as are other kinds'."""
+    if _family(x) is _TORCH and not x.is_inference():
         base = x._base
         return (x if base is None else base), _torch_version
     return x, state_reader(x)

@@ -252,7 +252,7 @@ class DeepseekV4StepMetadataBuilder:
         its checks and prepared launch, and returns the same
         ``DeepseekV4StepMetadata`` object.
         """
-        if self._prepared is not None and type(common_attn_metadata) is dict:
+        if self._prepared is not None and isinstance(common_attn_metadata, dict):
             key = self._step_key(common_attn_metadata, capturing)
             prepared = self._prepared.get(key) if key is not None else None
             if prepared is not None:
@@ -341,8 +341,9 @@ class DeepseekV4StepMetadataBuilder:
         """What a decode step's checks and launch depend on, from attributes
         alone; None for a step that takes the full path every time (prefills,
         and as ``_layout_key``)."""
-        cm = cms.get("c128a") if type(cms) is dict else None
+        cm = cms.get("c128a") if isinstance(cms, dict) else None
         if type(cm) is not CommonAttentionMetadata or type(cm.max_query_len) is not int \
+                or type(cm.max_seq_len) is not int or cm.max_seq_len < 0 \
                 or not self.c128a_builder.uniform_decode(cm):
             return None
         return self._layout_key(cms, self._width(cm, capturing),

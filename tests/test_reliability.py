@@ -134,6 +134,16 @@ def test_item04_torch_views_reshaped_in_place_are_replaced():
     assert tuple(builder.build(0, cm).c128a_decode_topk_lens.shape) == (2,)
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_item04_a_builder_made_under_inference_mode_builds_and_watches_its_views():
+    import torch
+    with torch.inference_mode():           # inference tensors have no version counter
+        builder = make_builder("torch_cpu", 128, 1 << 16)
+        cm = common_metadata(make_batch([1, 1], [300, 700]), "torch_cpu")
+        builder.build(0, cm).c128a_decode_topk_lens.unsqueeze_(0)
+        assert tuple(builder.build(0, cm).c128a_decode_topk_lens.shape) == (2,)
+
+
 # --- 5: a failed build leaves the last step intact; one -1 rule -----------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_item05_a_request_outside_the_table_gets_minus_one_not_another_requests_blocks(kind):

@@ -205,6 +205,18 @@ def test_a_plan_longer_than_a_launch_carries_equals_the_ops(kind, monkeypatch):
     assert_equal(got, composition(cms, builder))
 
 
+def test_a_step_builder_made_under_inference_mode_builds():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    with torch.inference_mode():           # inference tensors have no version counter
+        builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                                   num_speculative_tokens=SPEC,
+                                                   like=torch.zeros(1, dtype=torch.int32))
+        cms = make_step(rng, 2, [30], kind="torch_cpu")
+        builder.build(0, cms)
+        assert_equal(builder.build(0, cms), composition(cms, builder))
+
+
 def test_bad_steps_are_refused_naming_the_group():
     """Each refused before any write: every buffer keeps its first contents."""
     rng = np.random.default_rng(1)

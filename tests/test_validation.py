@@ -72,10 +72,12 @@ def test_c128a_rejects_strided_and_aliased_arrays():
 
 def test_a_builders_buffers_refuse_inputs_inside_them():
     from dsv4_cupy import arrays
-    buffers = [np.zeros(64, I32), np.zeros((4, 16), I32), np.zeros(8, I64)]
+    buffers = [np.zeros(64, I32), np.zeros((4, 16), I32), np.zeros(8, I64),
+               np.zeros((4, 1, 16), I32)]              # the SWA rows' [n, 1, W]
     owned = arrays.OwnedBuffers([arrays.probe(f"buffer{i}", b) for i, b in enumerate(buffers)])
     owned.check_inputs([arrays.probe("outside", np.zeros(64, I32)), None])
-    for i, inside in enumerate((buffers[0][60:], buffers[1][2, 3:5], buffers[2][:1])):
+    for i, inside in enumerate((buffers[0][60:], buffers[1][2, 3:5], buffers[2][:1],
+                                buffers[3][3, 0, 5:9])):
         with pytest.raises(ValueError, match=f"buffer{i}: output memory overlaps inside"):
             owned.check_inputs([arrays.probe("outside", np.zeros(4, I32)),
                                 arrays.probe("inside", inside)])
