@@ -90,9 +90,9 @@ __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, i64 width)
 
 // Division by the storage block size: a shift for powers of two (every
 // DeepSeek-V4 block size), a division otherwise. A kernel picks one of the two
-// once, with with_block_divisor: a choice per element puts the division's
-// code between the loads of a row, and instruction fetches were the largest
-// stall of the one-row SWA kernel on the H200 (ncu) when it did.
+// once, with with_block_divisor. Chosen per element, the division's code sat
+// between the loads of a row, and instruction fetches were the largest stall
+// of the one-row SWA kernel on the H200 (ncu).
 struct ShiftDivisor {
     int size, shift;
     __device__ __forceinline__ int div(int e) const { return e >> shift; }
