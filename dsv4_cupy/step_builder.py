@@ -211,7 +211,8 @@ class DeepseekV4StepMetadataBuilder:
                           else None)
         self._captured = None
         self._views: dict = {}
-        self._checked = PlanCache(_MAX_CACHED_STEPS)      # checked arrays by _layout_key
+        # The checks of steps that took the full path, by _step_key(cms) (GPU).
+        self._checked = PlanCache(_MAX_CACHED_STEPS) if self._prepared is not None else None
 
     def buffers(self) -> dict:
         """Every persistent buffer the builds write, by name (the C128A group's
@@ -253,7 +254,7 @@ class DeepseekV4StepMetadataBuilder:
         ``DeepseekV4StepMetadata`` object.
         """
         if self._prepared is not None and isinstance(common_attn_metadata, dict):
-            key = self._step_key(common_attn_metadata, capturing)
+            key = self._step_key(common_attn_metadata, bool(capturing))
             prepared = self._prepared.get(key) if key is not None else None
             if prepared is not None:
                 call, metadata = prepared
@@ -314,11 +315,13 @@ class DeepseekV4StepMetadataBuilder:
                                 f"{type(common_attn_metadata[group]).__name__}")
         return common_attn_metadata
 
-    def _layout_key(self, cms: dict, *more):
-        """What the checks of a step's arrays depend on, from attributes alone
-        (with ``more`` of the caller's); None for a step that is checked in
-        full every time (groups that do not share the C128A group's query
-        arrays as the same objects, maxima that are not ints >= 0)."""
+    def _step_key(self, cms: dict, capturing: bool | None = None):
+        """What a step's checks depend on, from attributes alone. With
+        ``capturing`` None: the checks of its arrays (any step); True or False:
+        those and the prepared launch of a decode step (None for a step with
+        prefills). None as well for a step that is checked in full every time
+        (groups that do not share the C128A group's query arrays as the same
+        objects, maxima that are not ints >= 0)."""
         try:
             cm, swa, c4a, indexer = cms["c128a"], cms["swa"], cms["c4a"], cms["indexer"]
         except (KeyError, TypeError):
@@ -333,21 +336,14 @@ class DeepseekV4StepMetadataBuilder:
                     or other.seq_lens is not cm.seq_lens or other.num_reqs != cm.num_reqs \
                     or other.num_actual_tokens != cm.num_actual_tokens:
                 return None
+        launch = ()
+        if capturing is not None:
+            if not self.c128a_builder.uniform_decode(cm):
+                return None
+            launch = (self._width(cm, capturing), self._short_context(cm, capturing), capturing)
         return self.c128a_builder._step_key(cm, swa.block_table_tensor, swa.slot_mapping,
                                             c4a.block_table_tensor, indexer.block_table_tensor,
-                                            *more)
-
-    def _step_key(self, cms: dict, capturing: bool):
-        """What a decode step's checks and launch depend on, from attributes
-        alone; None for a step that takes the full path every time (prefills,
-        and as ``_layout_key``)."""
-        cm = cms.get("c128a") if isinstance(cms, dict) else None
-        if type(cm) is not CommonAttentionMetadata or type(cm.max_query_len) is not int \
-                or type(cm.max_seq_len) is not int or cm.max_seq_len < 0 \
-                or not self.c128a_builder.uniform_decode(cm):
-            return None
-        return self._layout_key(cms, self._width(cm, capturing),
-                                self._short_context(cm, capturing), capturing)
+                                            *launch)
 
     def _width(self, cm, capturing: bool) -> int:
         """C128A columns written (``max_seq_len`` an int >= 0): the capacity in a
@@ -465,7 +461,7 @@ class DeepseekV4StepMetadataBuilder:
         base, cm = self.c128a_builder, cms["c128a"]
         # A step with prefills makes its host decisions every time; the checks of
         # its arrays are those of the last step with the same layouts (GPU).
-        layout = self._layout_key(cms) if self._prepared is not None else None
+        layout = self._step_key(cms) if self._prepared is not None else None
         checked = self._checked.get(layout) if layout is not None else None
         if checked is None:
             num_tokens, qsl_cpu, ops128 = base._check_step(cm)
