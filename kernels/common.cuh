@@ -96,11 +96,13 @@ __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, i64 width)
 struct ShiftDivisor {
     int size, shift;
     __device__ __forceinline__ int div(int e) const { return e >> shift; }
+    __device__ __forceinline__ i64 div(i64 e) const { return e >> shift; }
     __device__ __forceinline__ int mod(int e) const { return e & (size - 1); }
 };
 struct PlainDivisor {
     int size;
     __device__ __forceinline__ int div(int e) const { return e / size; }
+    __device__ __forceinline__ i64 div(i64 e) const { return e / size; }
     __device__ __forceinline__ int mod(int e) const { return e % size; }
 };
 // f(divisor) with the divisor that fits `size` (> 0).
@@ -124,25 +126,32 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
 
 // Writes value_of(e) to row[e] for e in [c0, c1), shared by `lanes` threads of
 // which this is `lane`: 16-byte stores when row + c0 is 16-byte aligned (then
-// every vector is), unrolled so the loads of several vectors are in flight
-// before the first store waits on them. Streaming (evict-first) stores:
-// measured 3-10% faster on the H200 for C128A rows of 8192 columns, which are
-// far larger than L2.
+// every vector is), else one column at a time. A lane's first vector is
+// straight-line code: a row of one vector per lane (SWA's W = 128, a warp's
+// piece of a short row) runs no loop, and its four loads are in flight
+// together; measured on the H200, the loop alone cost a one-row SWA launch
+// 0.13-0.16 us (of 2.0). Later vectors are unrolled, so the loads of several
+// are in flight before the first store waits on them. Streaming
+// (evict-first) stores: measured 3-10% faster on the H200 for C128A rows of
+// 8192 columns, which are far larger than L2.
 template <typename ValueOf>
 __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int c1, int lane,
                                              int lanes, const ValueOf& value_of) {
+    const auto store = [&](int v) {
+        int4 q;
+        q.x = value_of(v);
+        q.y = value_of(v + 1);
+        q.z = value_of(v + 2);
+        q.w = value_of(v + 3);
+        __stcs(reinterpret_cast<int4*>(row + v), q);
+    };
     int e = c0;
     if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
         const int vec_end = c0 + ((c1 - c0) & ~3);
+        const int first = c0 + 4 * lane;
+        if (first < vec_end) store(first);
 #pragma unroll 4
-        for (int v = c0 + 4 * lane; v < vec_end; v += 4 * lanes) {
-            int4 q;
-            q.x = value_of(v);
-            q.y = value_of(v + 1);
-            q.z = value_of(v + 2);
-            q.w = value_of(v + 3);
-            __stcs(reinterpret_cast<int4*>(row + v), q);
-        }
+        for (int v = first + 4 * lanes; v < vec_end; v += 4 * lanes) store(v);
         e = vec_end;
     }
     for (int s = e + lane; s < c1; s += lanes) row[s] = value_of(s);

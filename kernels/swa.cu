@@ -59,7 +59,7 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
             row.count = (int)clamp_i64(min(position + 1 - start, p.table.cols * p.block_size - start),
                                        0, p.window_size);
             row.block_row = p.table.entries + request * p.table.row_stride;
-            row.first_column = quotient(start, p.block_size);
+            row.first_column = bs.div(start);
             row.first_within = (int)(start - row.first_column * p.block_size);
             return row;
         });
