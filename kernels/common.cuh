@@ -272,11 +272,17 @@ __device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_st
 
 // The sum of v over the block (DSV4_THREADS threads), returned to every thread.
 // `scratch` holds DSV4_THREADS / 32 values; every thread of the block must call.
-__device__ __forceinline__ i64 block_sum(i64 v, i64* scratch) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+// An int sum is one warp instruction (redux), an i64 sum five shuffles.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+    if constexpr (sizeof(T) == 4) {
+        v = __reduce_add_sync(0xffffffffu, v);
+    } else {
+        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+    }
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
-    i64 total = 0;
+    T total = 0;
     for (int w = 0; w < DSV4_THREADS / 32; ++w) total += scratch[w];
     __syncthreads();             // scratch is free for the next call
     return total;

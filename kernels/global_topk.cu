@@ -1,25 +1,40 @@
-// compute_global_topk_indices_and_lens: one block per token row (grid-stride),
-// a group of 4 * DSV4_THREADS entries at a time, entry k of a group on thread
-// k % DSV4_THREADS. Entry x of a row becomes block_table[req][x / bs] * bs +
-// x % bs when 0 <= x and x / bs is a column of the table row, else -1 (the
-// 0x7FC00000 NaN pattern included); the length counts the valid entries. An
-// invalid token or a request outside the table gets an all -1 row and length
-// 0, reading no table entry. With `compact` the valid entries are packed to
-// the front in order, -1 after.
+// compute_global_topk_indices_and_lens: one block per token row (grid-stride).
+// Entry x of a row becomes block_table[req][x / bs] * bs + x % bs when 0 <= x
+// and x / bs is a column of the table row, else -1 (the 0x7FC00000 NaN
+// pattern included); the length counts the valid entries. An invalid token or
+// a request outside the table gets an all -1 row and length 0, reading no
+// table entry. With `compact` the valid entries are packed to the front in
+// order, -1 after.
 //
-// Every entry of a group is read, and its block looked up, before any is
-// written: one round of dependent loads per group, spread over the block's
-// eight warps (a row's 512 scattered table reads are too many for one warp's
-// outstanding loads). In place (out == topk_indices) is safe: a thread writes
-// only entries it has read, and with `compact` writes come after the group's
-// barrier and land below the group's end (packing only moves entries left),
-// so no unread entry is overwritten. Without `compact` (the usual case) the
-// rows are written as they are read and counted once per row, at its end.
+// Without `compact` (the usual case) a thread converts four consecutive
+// entries at a time (16-byte loads and stores when the rows allow, else one
+// at a time) and the row is counted once, at its end. A thread's first four
+// are straight-line code, their four table reads in flight together: a row of
+// K = 512 is one vector for each thread of the block's first half. With
+// `compact` a group of 4 * DSV4_THREADS entries at a time, entry k of a group
+// on thread k % DSV4_THREADS, is read and looked up before any is written
+// (one round of dependent loads per group, spread over the block's eight
+// warps), then packed by the group's counts.
+//
+// In place (out == topk_indices) is safe: a thread writes only entries it has
+// read, and with `compact` writes come after the group's barrier and land
+// below the group's end (packing only moves entries left), so no unread entry
+// is overwritten.
 #include "common.cuh"
 
 namespace dsv4 {
 constexpr int kGroupSlices = 4;                    // entries per thread per group
 constexpr int kWarps = DSV4_THREADS / 32;
+
+// Entry x of a row whose table row has `columns` readable columns: its global
+// slot (valid), or -1 (invalid). `count` gains one per valid entry.
+template <typename Divisor>
+__device__ __forceinline__ int global_slot(int x, const int* __restrict__ block_row, i64 columns,
+                                           const Divisor& bs, int& count) {
+    const bool valid = x >= 0 && bs.div(x) < columns;
+    count += valid;
+    return valid ? block_slot(block_row[bs.div(x)], bs.size, bs.mod(x)) : DSV4_PAD_SLOT_ID;
+}
 
 // This thread's entries of one group of row t: values, and whether each is valid.
 struct TopkGroup {
@@ -33,19 +48,32 @@ struct TopkGroup {
 #pragma unroll
         for (int s = 0; s < kGroupSlices; ++s) {
             const i64 k = group + s * DSV4_THREADS + threadIdx.x;
-            const int x = k < width ? source[k] : -1;
-            valid[s] = x >= 0 && bs.div(x) < columns;
-            value[s] = valid[s] ? block_slot(block_row[bs.div(x)], bs.size, bs.mod(x))
-                                : DSV4_PAD_SLOT_ID;
+            int count = 0;
+            value[s] = global_slot(k < width ? source[k] : -1, block_row, columns, bs, count);
+            valid[s] = count != 0;
         }
     }
 };
+
+// Row t's entries [k, k + 4) as one vector, in place or not.
+template <typename Divisor>
+__device__ __forceinline__ void global_topk_vector(const int* source, int* target, i64 k,
+                                                   const int* __restrict__ block_row,
+                                                   i64 columns, const Divisor& bs, int& count) {
+    const int4 x = *reinterpret_cast<const int4*>(source + k);
+    int4 y;
+    y.x = global_slot(x.x, block_row, columns, bs, count);
+    y.y = global_slot(x.y, block_row, columns, bs, count);
+    y.z = global_slot(x.z, block_row, columns, bs, count);
+    y.w = global_slot(x.w, block_row, columns, bs, count);
+    *reinterpret_cast<int4*>(target + k) = y;
+}
 
 template <typename Divisor>
 __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
                                                  const Divisor& bs) {
     __shared__ int warp_counts[kGroupSlices][kWarps];
-    __shared__ i64 row_counts[kWarps];
+    __shared__ int row_counts[kWarps];
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
@@ -59,18 +87,22 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
         const int* source = p.topk_indices + t * p.topk_stride;
         int* target = p.out + t * p.out_stride;
         if (!p.compact) {
-            i64 mine = 0;        // this thread's valid entries
-            for (i64 group = 0; group < p.width; group += kGroupSlices * DSV4_THREADS) {
-                const TopkGroup g(source, group, p.width, block_row, columns, bs);
-#pragma unroll
-                for (int s = 0; s < kGroupSlices; ++s) {
-                    const i64 k = group + s * DSV4_THREADS + threadIdx.x;
-                    if (k < p.width) target[k] = g.value[s];
-                    mine += g.valid[s];
-                }
+            int mine = 0;        // this thread's valid entries
+            const bool vectors = (((reinterpret_cast<unsigned long long>(source) |
+                                    reinterpret_cast<unsigned long long>(target)) & 15ull) |
+                                  (unsigned long long)(p.width & 3)) == 0;
+            if (vectors) {
+                const i64 first = 4 * (i64)threadIdx.x;
+                if (first < p.width) global_topk_vector(source, target, first, block_row, columns,
+                                                        bs, mine);
+                for (i64 k = first + 4 * DSV4_THREADS; k < p.width; k += 4 * DSV4_THREADS)
+                    global_topk_vector(source, target, k, block_row, columns, bs, mine);
+            } else {
+                for (i64 k = threadIdx.x; k < p.width; k += DSV4_THREADS)
+                    target[k] = global_slot(source[k], block_row, columns, bs, mine);
             }
-            const i64 count = block_sum(mine, row_counts);
-            if (threadIdx.x == 0) p.lens[t] = (int)count;
+            const int count = block_sum(mine, row_counts);
+            if (threadIdx.x == 0) p.lens[t] = count;
             continue;
         }
         i64 count = 0;           // valid entries of the earlier groups (same in every thread)
