@@ -272,12 +272,16 @@ __device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_st
 
 // The sum of v over the block (DSV4_THREADS threads), returned to every thread.
 // `scratch` holds DSV4_THREADS / 32 values; every thread of the block must call.
-// An int sum is one warp instruction (redux), an i64 sum five shuffles.
+// An int sum is one warp instruction (redux, sm_80 and later), an i64 sum (or
+// an int sum on an older device, which the kernels still serve) five shuffles.
 template <typename T>
 __device__ __forceinline__ T block_sum(T v, T* scratch) {
+#if __CUDA_ARCH__ >= 800
     if constexpr (sizeof(T) == 4) {
         v = __reduce_add_sync(0xffffffffu, v);
-    } else {
+    } else
+#endif
+    {
         for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
     }
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
