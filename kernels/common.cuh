@@ -8,8 +8,9 @@
 //    result is discarded too (vLLM bugs: masked-lane OOB, garbage positions of
 //    padding tokens, out-of-range block-table columns); sizes such as the
 //    decode/prefill boundary are checked on the host before the launch;
-//  * no architecture-specific instructions: the same source serves sm_90 and
-//    sm_100.
+//  * no instruction that only one of sm_90 and sm_100 has: the same source
+//    serves both (warp_sum's redux, sm_80 and later, falls back to shuffles
+//    on older devices).
 // DSV4_THREADS and DSV4_PAD_SLOT_ID come from the loader (one definition, in Python).
 #pragma once
 #include "params.cuh"
@@ -270,20 +271,29 @@ __device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_st
     }
 }
 
-// The sum of v over the block (DSV4_THREADS threads), returned to every thread.
-// `scratch` holds DSV4_THREADS / 32 values; every thread of the block must call.
-// An int sum is one warp instruction (redux, sm_80 and later), an i64 sum (or
-// an int sum on an older device, which the kernels still serve) five shuffles.
+// The sum of v over the warp, in lane 0: five shuffles, or for an int one
+// instruction (redux) on the devices that have it (sm_80 and later; an older
+// device, which the kernels still serve, takes the shuffles).
+template <typename T>
+__device__ __forceinline__ T shuffle_sum(T v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+    return v;
+}
+__device__ __forceinline__ i64 warp_sum(i64 v) { return shuffle_sum(v); }
+__device__ __forceinline__ int warp_sum(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xffffffffu, v);
+#else
+    return shuffle_sum(v);
+#endif
+}
+
+// The sum of v (int or i64) over the block (DSV4_THREADS threads), returned to
+// every thread. `scratch` holds DSV4_THREADS / 32 values; every thread of the
+// block must call.
 template <typename T>
 __device__ __forceinline__ T block_sum(T v, T* scratch) {
-#if __CUDA_ARCH__ >= 800
-    if constexpr (sizeof(T) == 4) {
-        v = __reduce_add_sync(0xffffffffu, v);
-    } else
-#endif
-    {
-        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
-    }
+    v = warp_sum(v);
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
     T total = 0;

@@ -7,8 +7,9 @@
 // order, -1 after.
 //
 // Without `compact` (the usual case) a thread converts four consecutive
-// entries at a time (16-byte loads and stores when the rows allow, else one
-// at a time) and the row is counted once, at its end. A thread's first four
+// entries at a time with 16-byte loads and stores when the rows allow (else
+// one entry at a time, DSV4_THREADS apart), and the row is counted once, at
+// its end. A thread's first four
 // are straight-line code, their four table reads in flight together: a row of
 // K = 512 is one vector for each thread of the block's first half. With
 // `compact` a group of 4 * DSV4_THREADS entries at a time, entry k of a group
