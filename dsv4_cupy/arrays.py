@@ -360,6 +360,39 @@ def owned_state(x):
     return read(watched)
 
 
+class ViewCache:
+    """Views of a builder's own buffers, cached: slicing a torch tensor costs
+    more host time than a whole prepared build. A view is
+    ``buffer[start:stop]``, ``buffer[start:stop, :cols]`` or, with
+    ``unit_axis``, ``buffer[start:stop, None, :cols]``. A cached view that the
+    caller changed in place (``owned_state_reader``) is replaced, never handed
+    out again; past ``capacity`` views the cache starts over."""
+
+    __slots__ = ("capacity", "_views")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._views: dict = {}
+
+    def get(self, buffer, start: int, stop: int, cols: int | None = None,
+            unit_axis: bool = False):
+        key = (id(buffer), start, stop, cols, unit_axis)     # the builder keeps its buffers
+        cached = self._views.get(key)
+        if cached is not None:
+            view, watched, read, state = cached
+            if read(watched) == state:
+                return view
+        if unit_axis:
+            view = buffer[start:stop, None, :cols]
+        else:
+            view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]
+        if len(self._views) >= self.capacity:
+            self._views.clear()
+        watched, read = owned_state_reader(view)
+        self._views[key] = (view, watched, read, read(watched))
+        return view
+
+
 def stack_columns(columns: list):
     """``[N]`` arrays of one kind stacked as the columns of ``[N, len(columns)]``."""
     kind = kind_of(columns[0])

@@ -142,7 +142,7 @@ class DeepseekV4MetadataBuilder:
             self.c128a_prefill_buffer = arrays.full_like_kind(like, rows, INT32, -1, self.device)
         if self.kind in arrays.GPU_KINDS:
             DeepseekV4FlashMLABackend.check_device()
-        self._views: dict = {}
+        self._views = arrays.ViewCache(_MAX_CACHED_VIEWS)
         self._capturing = False
         self._captured = None
         # Prepared steps (GPU, default validation): see build().
@@ -489,16 +489,17 @@ class DeepseekV4MetadataBuilder:
 
     def _result_views(self, num_tokens: int, num_decode_tokens: int, num_prefill_tokens: int,
                       width: int):
-        """Views of the persistent buffers for one step shape, cached (slicing
-        costs more host time than the rest of a GPU build). A cached view that
-        the caller changed in place is replaced, never handed out again."""
-        key = (num_tokens, num_decode_tokens, num_prefill_tokens, width)
-        cached = self._views.get(key)
-        if cached is not None:
-            views, states = cached
-            if all(view is None or arrays.owned_state(view) == state
-                   for view, state in zip(views, states)):
-                return views
+        """Views of the persistent buffers for one step shape (cached)."""
+        view = self._views.get
+        slots = self.compressed_slot_mapping_buffer
+        decode, lens, prefill = (self.c128a_global_decode_buffer, self.c128a_decode_lens_buffer,
+                                 self.c128a_prefill_buffer)
+        return (view(self.req_id_per_token_buffer, 0, num_tokens),
+                None if slots is None else view(slots, 0, num_tokens),
+                None if decode is None else view(decode, 0, num_decode_tokens, width,
+                                                 unit_axis=True),
+                None if lens is None else view(lens, 0, num_decode_tokens),
+                None if prefill is None else view(prefill, 0, num_prefill_tokens, width))
         slots = self.compressed_slot_mapping_buffer
         decode, lens, prefill = (self.c128a_global_decode_buffer, self.c128a_decode_lens_buffer,
                                  self.c128a_prefill_buffer)

@@ -210,8 +210,8 @@ class DeepseekV4StepMetadataBuilder:
         self._prepared = (PlanCache(_MAX_CACHED_STEPS) if self.kind in arrays.GPU_KINDS
                           else None)
         self._captured = None
-        self._views: dict = {}
-        # The checks of steps that took the full path, by _step_key(cms) (GPU).
+        self._views = arrays.ViewCache(_MAX_CACHED_VIEWS)
+        # The checks of steps that took the full path, by _layout_key(cms) (GPU).
         self._checked = PlanCache(_MAX_CACHED_STEPS) if self._prepared is not None else None
 
     def buffers(self) -> dict:
@@ -315,13 +315,10 @@ class DeepseekV4StepMetadataBuilder:
                                 f"{type(common_attn_metadata[group]).__name__}")
         return common_attn_metadata
 
-    def _step_key(self, cms: dict, capturing: bool | None = None):
-        """What a step's checks depend on, from attributes alone. With
-        ``capturing`` None: the checks of its arrays (any step); True or False:
-        those and the prepared launch of a decode step (None for a step with
-        prefills). None as well for a step that is checked in full every time
-        (groups that do not share the C128A group's query arrays as the same
-        objects, maxima that are not ints >= 0)."""
+    def _layout_key(self, cms: dict):
+        """What a step's checks depend on, from attributes alone; None for a step
+        that is checked in full every time (groups that do not share the C128A
+        group's query arrays as the same objects, maxima that are not ints >= 0)."""
         try:
             cm, swa, c4a, indexer = cms["c128a"], cms["swa"], cms["c4a"], cms["indexer"]
         except (KeyError, TypeError):
@@ -336,14 +333,20 @@ class DeepseekV4StepMetadataBuilder:
                     or other.seq_lens is not cm.seq_lens or other.num_reqs != cm.num_reqs \
                     or other.num_actual_tokens != cm.num_actual_tokens:
                 return None
-        launch = ()
-        if capturing is not None:
-            if not self.c128a_builder.uniform_decode(cm):
-                return None
-            launch = (self._width(cm, capturing), self._short_context(cm, capturing), capturing)
         return self.c128a_builder._step_key(cm, swa.block_table_tensor, swa.slot_mapping,
-                                            c4a.block_table_tensor, indexer.block_table_tensor,
-                                            *launch)
+                                            c4a.block_table_tensor, indexer.block_table_tensor)
+
+    def _launch_key(self, cm, layout, capturing: bool):
+        """The prepared launch's key of a step whose checks are under ``layout``:
+        a uniform decode step only (None for one with prefills)."""
+        if layout is None or not self.c128a_builder.uniform_decode(cm):
+            return None
+        return layout, self._width(cm, capturing), self._short_context(cm, capturing), capturing
+
+    def _step_key(self, cms: dict, capturing: bool):
+        """``_launch_key`` of a step, from its groups' metadata."""
+        layout = self._layout_key(cms)
+        return None if layout is None else self._launch_key(cms["c128a"], layout, capturing)
 
     def _width(self, cm, capturing: bool) -> int:
         """C128A columns written (``max_seq_len`` an int >= 0): the capacity in a
@@ -461,7 +464,7 @@ class DeepseekV4StepMetadataBuilder:
         base, cm = self.c128a_builder, cms["c128a"]
         # A step with prefills makes its host decisions every time; the checks of
         # its arrays are those of the last step with the same layouts (GPU).
-        layout = self._step_key(cms) if self._prepared is not None else None
+        layout = self._layout_key(cms) if self._prepared is not None else None
         checked = self._checked.get(layout) if layout is not None else None
         if checked is None:
             num_tokens, qsl_cpu, ops128 = base._check_step(cm)
@@ -496,7 +499,7 @@ class DeepseekV4StepMetadataBuilder:
                     compressed=compressed, short=short, host_qsl=host_qsl)
         metadata = self._metadata(cm, split, views, step)
         if self.kind in arrays.GPU_KINDS:
-            key = self._step_key(cms, capturing)     # None for steps with prefills
+            key = self._launch_key(cm, layout, capturing)
             call = PreparedCall(self._plans(step, c128a_tokens, valid_tokens), self.kind,
                                 self.device, metadata,
                                 owned=_arrays_of(metadata) if key is not None else ())
@@ -510,26 +513,9 @@ class DeepseekV4StepMetadataBuilder:
             self._run_ops(metadata, step)
         return metadata
 
-    def _view(self, buffer, start: int, stop: int, cols: int | None = None):
-        """``buffer[start:stop]`` (``[start:stop, :cols]``), cached: slicing a torch
-        tensor costs more host time than a whole prepared build. A cached view
-        that the caller changed in place is replaced, never handed out again."""
-        key = (id(buffer), start, stop, cols)
-        cached = self._views.get(key)
-        if cached is not None:
-            view, watched, read, state = cached
-            if read(watched) == state:
-                return view
-        view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]
-        if len(self._views) >= _MAX_CACHED_VIEWS:
-            self._views.clear()
-        watched, read = arrays.owned_state_reader(view)
-        self._views[key] = (view, watched, read, read(watched))
-        return view
-
     def _metadata(self, cm, split, views, step) -> DeepseekV4StepMetadata:
         num_decodes, num_prefills, nd, np_tokens = split
-        T, view = step["num_tokens"], self._view
+        T, view = step["num_tokens"], self._views.get
         c128a = self.c128a_builder._metadata(cm, split, views)
         if self.combined_prefill:
             c128a.c128a_prefill_topk_indices = None
