@@ -12,17 +12,16 @@
 namespace dsv4 {
 template <typename Divisor>
 struct SwaRow {
-    const int* __restrict__ block_row;
-    i64 first_column;
+    const int* __restrict__ first_block;   // the table entry of the window's first position
     int first_within, count;
     Divisor bs;
 
-    // Window entry k sits first_within + k rows past the first column's start;
-    // k < count keeps its column inside the table row.
+    // Window entry k sits first_within + k rows past the first block's start;
+    // k < count keeps its block inside the table row.
     __device__ __forceinline__ int value(int k) const {
         if (k >= count) return DSV4_PAD_SLOT_ID;
         const int offset = first_within + k;
-        return block_slot(block_row[first_column + bs.div(offset)], bs.size, bs.mod(offset));
+        return block_slot(first_block[bs.div(offset)], bs.size, bs.mod(offset));
     }
     __device__ __forceinline__ int length() const { return count; }
 };
@@ -43,7 +42,7 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
     with_block_divisor((int)p.block_size, [&](auto bs) {
         fill_warp_rows(p.indices, p.indices_stride, p.lens, p.num_rows, (int)p.window_size,
                        blocks, [&](i64 i) {
-            SwaRow<decltype(bs)> row{nullptr, 0, 0, 0, bs};
+            SwaRow<decltype(bs)> row{nullptr, 0, 0, bs};
             const i64 t = i + p.token_offset;
             const SwaToken token = token_of(t);
             const bool valid = token.valid;
@@ -58,9 +57,9 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
             const i64 start = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
             row.count = (int)clamp_i64(min(position + 1 - start, p.table.cols * p.block_size - start),
                                        0, p.window_size);
-            row.block_row = p.table.entries + request * p.table.row_stride;
-            row.first_column = bs.div(start);
-            row.first_within = (int)(start - row.first_column * p.block_size);
+            const i64 first_column = bs.div(start);
+            row.first_block = p.table.entries + request * p.table.row_stride + first_column;
+            row.first_within = (int)(start - first_column * p.block_size);
             return row;
         });
     });
