@@ -68,6 +68,24 @@ def test_random_rows_and_int32_wrap(kind):
     assert rows.shape == (0, 7) and lens.shape == (0,)
 
 
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.gpu
+def test_blocks_taking_several_rows_in_turn(kind, monkeypatch):
+    """A grid smaller than the rows: each block converts rows in turn, reusing
+    its shared scratch for each row's count."""
+    monkeypatch.setattr(d4.geometry, "row_blocks", lambda num_rows: min(num_rows, 3))
+    d4.c4a._GLOBAL_TOPK._calls.clear()         # no launch prepared under the usual grid
+    rng = np.random.default_rng(12)
+    try:
+        for compact in (False, True):
+            table = rng.integers(-1, 1 << 20, (5, 9)).astype(I32)
+            topk = rng.integers(-2, 64 * 10, (23, 512)).astype(I32)
+            run_global_topk(kind, topk, rng.integers(-1, 6, 23).tolist(), table, 64,
+                            (rng.random(23) < 0.9).tolist(), compact)
+    finally:
+        d4.c4a._GLOBAL_TOPK._calls.clear()
+
+
 def random_global_topk_case(rng):
     """(topk, token_to_req, table, block_size, is_valid, compact)."""
     tokens, width = int(rng.integers(0, 8)), int(rng.choice([0, 1, 7, 40, 300]))
