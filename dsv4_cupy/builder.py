@@ -29,7 +29,12 @@ class _PreparedStep:
         self.host_query_start_loc = host_query_start_loc
         self.host_prefilling = host_prefilling
         self.launches: dict = {}
-_MAX_CACHED_VIEWS = 512
+
+
+#: Step layouts whose prepared launches a builder keeps.
+_MAX_CACHED_STEPS = 512
+#: Result views cached: five per step shape (_result_views).
+_MAX_CACHED_VIEWS = 5 * _MAX_CACHED_STEPS
 
 
 class DeepseekV4MetadataBuilder:
@@ -146,7 +151,7 @@ class DeepseekV4MetadataBuilder:
         self._capturing = False
         self._captured = None
         # Prepared steps (GPU, default validation): see build().
-        self._prepared = (PlanCache(_MAX_CACHED_VIEWS) if self.kind in arrays.GPU_KINDS
+        self._prepared = (PlanCache(_MAX_CACHED_STEPS) if self.kind in arrays.GPU_KINDS
                           and not self.full_validation else None)
         # The buffers never move, so their addresses are read once.
         self._buffer_ops = [arrays.probe(name, getattr(self, name)) for name in (
@@ -500,16 +505,3 @@ class DeepseekV4MetadataBuilder:
                                                  unit_axis=True),
                 None if lens is None else view(lens, 0, num_decode_tokens),
                 None if prefill is None else view(prefill, 0, num_prefill_tokens, width))
-        slots = self.compressed_slot_mapping_buffer
-        decode, lens, prefill = (self.c128a_global_decode_buffer, self.c128a_decode_lens_buffer,
-                                 self.c128a_prefill_buffer)
-        views = (self.req_id_per_token_buffer[:num_tokens],
-                 slots[:num_tokens] if slots is not None else None,
-                 decode[:num_decode_tokens, None, :width] if decode is not None else None,
-                 lens[:num_decode_tokens] if lens is not None else None,
-                 prefill[:num_prefill_tokens, :width] if prefill is not None else None)
-        if len(self._views) >= _MAX_CACHED_VIEWS:
-            self._views.clear()
-        self._views[key] = (views, tuple(None if view is None else arrays.owned_state(view)
-                                         for view in views))
-        return views
