@@ -9,9 +9,9 @@
 // Without `compact` (the usual case) a thread converts four consecutive
 // entries at a time with 16-byte loads and stores when the rows allow (else
 // one entry at a time, DSV4_THREADS apart), and the row is counted once, at
-// its end. A thread's first four
-// are straight-line code, their four table reads in flight together: a row of
-// K = 512 is one vector for each thread of the block's first half. With
+// its end. A thread's first four are straight-line code, their four table
+// reads in flight together: a row of K = 512 is one vector for each thread of
+// the block's first half. With
 // `compact` a group of 4 * DSV4_THREADS entries at a time, entry k of a group
 // on thread k % DSV4_THREADS, is read and looked up before any is written
 // (one round of dependent loads per group, spread over the block's eight
