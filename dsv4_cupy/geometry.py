@@ -33,8 +33,9 @@ def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int) -> int:
 
 
 def warp_row_blocks(num_rows: int) -> int:
-    """Blocks of THREADS for a grid-stride loop giving each of num_rows rows a warp."""
-    return elementwise_blocks(num_rows * WARP_LANES)
+    """Blocks of THREADS giving each of num_rows rows a warp (at least 1): the
+    row kernels (fill_warp_rows) have no grid-stride loop."""
+    return max(1, element_blocks(num_rows * WARP_LANES))
 
 
 def row_blocks(num_rows: int) -> int:

@@ -7,7 +7,7 @@
 // total get an all -1 row and length 0. Without topk_indices (null) the
 // compressed entries are C128A's local prefill rows, x = k for k < k_len: the
 // rows need no input, and one build serves every C128A layer of a step. A
-// warp per row (fill_warp_rows); at 8192 tokens and C = 8320 this is a 272 MB
+// warp per row (fill_warp_rows, the compact column loop); at 8192 tokens and C = 8320 this is a 272 MB
 // write.
 #include "common.cuh"
 
@@ -48,8 +48,8 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, const Block
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 base = qsl[0];
     const i64 total = p.query.num_reqs > 0 ? (i64)qsl[p.query.num_reqs] - base : 0;
-    fill_warp_rows(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width, blocks,
-                   [&](i64 t) {
+    fill_warp_rows<ColumnLoop::kCompact>(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width,
+                                         blocks, [&](i64 t) {
         const int* topk_row = p.topk_indices != nullptr ? p.topk_indices + t * p.topk_stride
                                                         : nullptr;
         CombineRow row{topk_row, 0, 0, (int)p.swa_offset, 0, 0};

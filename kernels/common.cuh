@@ -135,7 +135,14 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
 // are in flight before the first store waits on them. Streaming
 // (evict-first) stores: measured 3-10% faster on the H200 for C128A rows of
 // 8192 columns, which are far larger than L2.
-template <typename ValueOf>
+//
+// ColumnLoop::kCompact writes every vector from one plain loop instead: for
+// entries that branch and load (the combined rows), the straight-line and
+// unrolled copies cost more than they save (H200, 8192 rows: C4A combine 3%
+// faster compact).
+enum class ColumnLoop { kUnrolled, kCompact };
+
+template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename ValueOf>
 __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int c1, int lane,
                                              int lanes, const ValueOf& value_of) {
     const auto store = [&](int v) {
@@ -150,9 +157,13 @@ __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int 
     if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
         const int vec_end = c0 + ((c1 - c0) & ~3);
         const int first = c0 + 4 * lane;
-        if (first < vec_end) store(first);
+        if constexpr (kLoop == ColumnLoop::kCompact) {
+            for (int v = first; v < vec_end; v += 4 * lanes) store(v);
+        } else {
+            if (first < vec_end) store(first);
 #pragma unroll 4
-        for (int v = first + 4 * lanes; v < vec_end; v += 4 * lanes) store(v);
+            for (int v = first + 4 * lanes; v < vec_end; v += 4 * lanes) store(v);
+        }
         e = vec_end;
     }
     for (int s = e + lane; s < c1; s += lanes) row[s] = value_of(s);
@@ -252,23 +263,26 @@ struct WarpRows {
 };
 
 // Row r of a row kernel is row_at(r): `.value(e)` gives column e and
-// `.length()` the row's length. A warp takes a row (grid-stride), every lane
-// builds the row's state once (the same loads, in parallel) and writes its
-// share of the row's 16-byte vectors (fill_columns); lane 0 writes the
-// length. Measured on the H200: a flat mapping of vectors to threads rebuilt
-// the state per vector and was instruction-bound on rows of 640 and 8320
-// columns (26% and 36% of the write ceiling).
-template <typename RowAt>
+// `.length()` the row's length. A warp takes a row, every lane builds the
+// row's state once (the same loads, in parallel), lane 0 writes the length and
+// every lane its share of the row's 16-byte vectors (fill_columns). Measured
+// on the H200: a flat mapping of vectors to threads rebuilt the state per
+// vector and was instruction-bound on rows of 640 and 8320 columns (26% and
+// 36% of the write ceiling). The grid has a warp for every row
+// (geometry.warp_row_blocks), so there is no grid-stride loop: the loop's
+// setup, hoisted ahead of the first row's loads, cost the combine 7-11% at
+// 8192 rows.
+template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename RowAt>
 __device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_stride,
                                                int* __restrict__ lens, i64 num_rows, int width,
                                                const Blocks& blocks, const RowAt& row_at) {
     const WarpRows rows(blocks);
-    for (i64 r = rows.first; r < num_rows; r += rows.step) {
-        const auto row = row_at(r);
-        fill_columns(out + r * out_stride, 0, width, rows.lane, 32,
-                     [&](int e) { return row.value(e); });
-        if (rows.lane == 0 && lens != nullptr) lens[r] = row.length();
-    }
+    const i64 r = rows.first;
+    if (r >= num_rows) return;
+    const auto row = row_at(r);
+    if (rows.lane == 0 && lens != nullptr) lens[r] = row.length();
+    fill_columns<kLoop>(out + r * out_stride, 0, width, rows.lane, 32,
+                        [&](int e) { return row.value(e); });
 }
 
 // The sum of v over the warp, in lane 0: five shuffles, or for an int one
