@@ -136,10 +136,10 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
 // (evict-first) stores: measured 3-10% faster on the H200 for C128A rows of
 // 8192 columns, which are far larger than L2.
 //
-// ColumnLoop::kCompact writes every vector from one plain loop instead: for
-// entries that branch and load (the combined rows), the straight-line and
-// unrolled copies cost more than they save (H200, 8192 rows: C4A combine 3%
-// faster compact).
+// ColumnLoop::kCompact writes every vector from one plain loop instead, for
+// the combined rows, whose entries branch (and may load): measured on the H200
+// at 8192 rows against the unrolled loop, C128A rows 5-7% and C4A rows 5%
+// faster, SWA-only rows 2% slower.
 enum class ColumnLoop { kUnrolled, kCompact };
 
 template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename ValueOf>
@@ -269,9 +269,11 @@ struct WarpRows {
 // on the H200: a flat mapping of vectors to threads rebuilt the state per
 // vector and was instruction-bound on rows of 640 and 8320 columns (26% and
 // 36% of the write ceiling). The grid has a warp for every row
-// (geometry.warp_row_blocks), so there is no grid-stride loop: the loop's
-// setup, hoisted ahead of the first row's loads, cost the combine 7-11% at
-// 8192 rows.
+// (geometry.warp_row_blocks), so there is no grid-stride loop, whose setup
+// the compiler hoisted ahead of the first row's loads: measured on the H200
+// at 8192 rows, the SWA rows 9% and the C4A and SWA-only combined rows 10%
+// faster without it (the C128A combined rows, 8320 columns, were 5-8% slower
+// with the unrolled column loop: ColumnLoop::kCompact).
 template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename RowAt>
 __device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_stride,
                                                int* __restrict__ lens, i64 num_rows, int width,
