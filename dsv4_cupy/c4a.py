@@ -166,7 +166,7 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     result = rows.array[:num_tokens, :top_k]
     if kind in arrays.GPU_KINDS:
         plans = ()
-        if num_tokens:
+        if num_tokens and top_k:        # rows of no columns: nothing to write, no grid to size
             plans = (families.SHORT_CONTEXT.plan(
                 device, geometry.warp_row_blocks(num_tokens), (positions_dtype,),
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),

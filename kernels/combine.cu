@@ -7,8 +7,8 @@
 // total get an all -1 row and length 0. Without topk_indices (null) the
 // compressed entries are C128A's local prefill rows, x = k for k < k_len: the
 // rows need no input, and one build serves every C128A layer of a step. A
-// warp per row (fill_warp_rows, the compact column loop); at 8192 tokens and C = 8320 this is a 272 MB
-// write.
+// warp per row (fill_warp_rows, the compact column loop); at 8192 tokens and
+// C = 8320 this is a 272 MB write.
 #include "common.cuh"
 
 namespace dsv4 {

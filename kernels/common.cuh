@@ -253,7 +253,8 @@ struct Blocks {
 };
 __device__ __forceinline__ Blocks whole_grid() { return Blocks{blockIdx.x, gridDim.x}; }
 
-// One warp per row, grid-stride: this warp's first row, the row step, its lane.
+// One warp per row: this warp's first row, its lane, and the row step of a
+// grid-stride loop over rows (indexer_decode's; fill_warp_rows has none).
 struct WarpRows {
     i64 first, step;
     int lane;
@@ -266,14 +267,17 @@ struct WarpRows {
 // `.length()` the row's length. A warp takes a row, every lane builds the
 // row's state once (the same loads, in parallel), lane 0 writes the length and
 // every lane its share of the row's 16-byte vectors (fill_columns). Measured
-// on the H200: a flat mapping of vectors to threads rebuilt the state per
-// vector and was instruction-bound on rows of 640 and 8320 columns (26% and
-// 36% of the write ceiling). The grid has a warp for every row
-// (geometry.warp_row_blocks), so there is no grid-stride loop, whose setup
-// the compiler hoisted ahead of the first row's loads: measured on the H200
-// at 8192 rows, the SWA rows 9% and the C4A and SWA-only combined rows 10%
-// faster without it (the C128A combined rows, 8320 columns, were 5-8% slower
-// with the unrolled column loop: ColumnLoop::kCompact).
+// on the H200 at 8192 rows:
+//  * a flat mapping of vectors to threads rebuilt the state per vector and was
+//    instruction-bound on rows of 640 and 8320 columns (26% and 36% of the
+//    write ceiling);
+//  * the grid has a warp for every row (geometry.warp_row_blocks), so there is
+//    no grid-stride loop, whose setup the compiler hoisted ahead of the first
+//    row's loads: without it the SWA rows were 8% and the C4A and SWA-only
+//    combined rows 9-10% faster (the C128A combined rows 5-8% slower with the
+//    unrolled column loop, hence the combine's ColumnLoop::kCompact);
+//  * the length written before the columns: SWA and SWA-only combined rows
+//    4-5% faster than after them.
 template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename RowAt>
 __device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_stride,
                                                int* __restrict__ lens, i64 num_rows, int width,
