@@ -354,12 +354,6 @@ def owned_state_reader(x) -> tuple:
     return x, state_reader(x)
 
 
-def owned_state(x):
-    """``read(watched)`` of ``owned_state_reader(x)``, once."""
-    watched, read = owned_state_reader(x)
-    return read(watched)
-
-
 class ViewCache:
     """Views of a builder's own buffers, cached: slicing a torch tensor costs
     more host time than a whole prepared build. A view is
