@@ -9,7 +9,7 @@ from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .dcp import check_cp
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .scalars import check_choice, check_int
-from .spec import (KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend,
+from .spec import (INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE, DeepseekV4FlashMLABackend,
                    active_width_unchecked, c128a_active_width, c128a_capacity)
 from .prepared import PlanCache, PreparedCall
 from .step_kernel import step_plan
@@ -94,7 +94,7 @@ class DeepseekV4MetadataBuilder:
     """
 
     def __init__(self, compress_ratio: int, max_model_len: int, max_num_batched_tokens: int, *,
-                 block_size: int = KV_BLOCK_SIZE, index_topk: int = 512,
+                 block_size: int = KV_BLOCK_SIZE, index_topk: int = INDEX_TOPKS[0],
                  num_speculative_tokens: int = 0, treat_short_extends_as_decodes: bool = True,
                  width_policy: str = "active", dcp_world_size: int = 1, dcp_rank: int = 0,
                  cp_kv_cache_interleave_size: int = 1, like="numpy", device: int | None = None,

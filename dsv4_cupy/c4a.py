@@ -102,8 +102,9 @@ def check_global_topk(topk_indices, token_to_req_indices, block_table, block_siz
             lens=lens.ptr, topk_stride=arrays.row_stride(topk),
             out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
             block_size=block_size, compact=int(compact))
-        return CheckedCall(kind, device, results,
-                           geometry.row_blocks(num_tokens), fields, None)
+        return CheckedCall(kind, device, results, geometry.row_blocks(num_tokens), fields, None,
+                           (families.GLOBAL_TOPK.compiled_in("k", width),
+                            families.GLOBAL_TOPK.compiled_in("b", block_size)))
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
@@ -167,8 +168,9 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     if kind in arrays.GPU_KINDS:
         plans = ()
         if num_tokens and top_k:        # rows of no columns: nothing to write, no grid to size
+            lanes = geometry.short_context_lanes(num_tokens, device)
             plans = (families.SHORT_CONTEXT.plan(
-                device, geometry.warp_row_blocks(num_tokens), (positions_dtype,),
+                device, geometry.row_lane_blocks(num_tokens, lanes), (positions_dtype, lanes),
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),
                 top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens),)
         return _SHORT_CONTEXT.launch(key, plans, kind, device, result, (result,))

@@ -166,7 +166,7 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
             window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
             swa_offset=N)
         return CheckedCall(kind, device, results,
-                           geometry.warp_row_blocks(num_tokens) if num_tokens else 0, fields, None)
+                           geometry.row_lane_blocks(num_tokens) if num_tokens else 0, fields, None)
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d

@@ -1,17 +1,29 @@
 """Every kernel family, declared once: its ``.cu`` file, templated function,
-parameter struct and dtype variants. Ops and the builder launch through these
-by field name; ``warmup()`` and ``python -m dsv4_cupy compile`` walk ``ALL``."""
+parameter struct and variants (dtypes, widths compiled in). Ops and the
+builder launch through these by field name; ``warmup()`` and
+``python -m dsv4_cupy compile`` walk ``ALL``."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import params
-from .loader import KernelFamily
+from .geometry import SHORT_CONTEXT_LANES
+from .loader import RUN_TIME, KernelFamily
+from .spec import C4A_BLOCK_SIZE, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
 #: Axes of the families templated on the positions and slot-mapping dtypes.
 POSITIONS_AXIS = ("p", (INT32, INT64))
 SLOT_MAPPING_AXIS = ("s", (INT32, INT64))
+#: Row widths and block sizes compiled in beside the run-time kernel: DeepSeek-V4's
+#: (shorter code on a decode launch's chain; the kernels' comments carry the
+#: measured gains).
+SWA_WINDOW_AXIS = ("w", (RUN_TIME, SWA_WINDOW_SIZE))
+SWA_BLOCK_AXIS = ("b", (RUN_TIME, SWA_BLOCK_SIZE))
+TOP_K_AXIS = ("k", (RUN_TIME, *INDEX_TOPKS))
+C4A_BLOCK_AXIS = ("b", (RUN_TIME, C4A_BLOCK_SIZE))
+#: Threads per row of the short-context rows (geometry.short_context_lanes).
+ROW_LANES_AXIS = ("l", SHORT_CONTEXT_LANES)
 
 TOKEN_MAP = KernelFamily("token_map.cu", "token_to_req_indices", params.TOKEN_MAP)
 SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params.SLOT_MAPPING,
@@ -21,10 +33,12 @@ C128A = KernelFamily("c128a.cu", "c128a_topk_metadata", params.C128A,
 ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 
 # --- the per-layer and indexer metadata families -------------------------------------------
-SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA)
-GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK)
+SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA,
+                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS))
+GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK,
+                           (TOP_K_AXIS, C4A_BLOCK_AXIS))
 SHORT_CONTEXT = KernelFamily("short_context.cu", "fill_short_context_topk_indices",
-                             params.SHORT_CONTEXT, (POSITIONS_AXIS,))
+                             params.SHORT_CONTEXT, (POSITIONS_AXIS, ROW_LANES_AXIS))
 COMBINE = KernelFamily("combine.cu", "combine_topk_swa_indices", params.COMBINE)
 PREFILL_GATHER = KernelFamily("prefill_gather.cu", "prefill_gather_lens", params.PREFILL_GATHER)
 INDEXER_PREFILL = KernelFamily("indexer_prefill.cu", "indexer_prefill_chunk_metadata",

@@ -3,7 +3,8 @@
 * A kernel family (``KernelFamily``: its ``.cu`` file, its templated device
   function, its parameter struct and its dtype variants) is declared once, in
   ``families.py``. Its entry points are generated here from the declaration,
-  so the naming rule ``function_p32_s64`` lives in ``KernelFamily.entry_name``
+  so the naming rule ``function_p32_s64`` (``function_p64_k512`` for a width
+  compiled in) lives in ``KernelFamily.entry_name``
   alone, and no source is parsed to find them.
 * The ``.cu`` files are read from the installed package (``dsv4_cupy/kernels_cu``)
   or, in a source checkout, from the top-level ``kernels/`` folder. Local
@@ -34,7 +35,7 @@ import numpy as np
 
 from . import device as devices
 from .errors import KernelCompileError
-from .geometry import THREADS, WARP_PIECE
+from .geometry import POSITION_LIMIT, THREADS, WARP_PIECE
 from .params import MAX_PLAN_CHUNKS, Params
 from .spec import PAD_SLOT_ID
 
@@ -42,18 +43,33 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 #: Options beyond CuPy's own (which adds -arch, -ftz, its include paths).
 BASE_OPTIONS = ("-std=c++17",)
 DEFAULT_ARCHS = ("sm_90", "sm_100")
+#: The value of an int axis whose kernel reads the quantity from its struct.
+RUN_TIME = 0
 #: The constants kernels share with Python, one definition each.
 DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID,
-                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_WARP_PIECE": WARP_PIECE}
+                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_WARP_PIECE": WARP_PIECE,
+                    "DSV4_RUN_TIME": RUN_TIME, "DSV4_POSITION_LIMIT": POSITION_LIMIT}
 _C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
 
-class KernelFamily:
-    """One ``.cu`` file's kernels: ``dsv4::function`` templated over the dtypes of
-    ``axes`` (``(letter, dtypes)`` pairs), taking one ``params`` struct.
+def _suffix(value) -> str:
+    """An axis value in an entry name: a dtype's bits, or the int itself."""
+    return str(value) if isinstance(value, int) else str(np.dtype(value).itemsize * 8)
 
-    Entry points are ``function`` followed by ``_<letter><bits>`` per axis, one
-    for each combination of dtypes.
+
+def _template_argument(value) -> str:
+    return str(value) if isinstance(value, int) else _C_TYPES[np.dtype(value)]
+
+
+class KernelFamily:
+    """One ``.cu`` file's kernels: ``dsv4::function`` templated over ``axes``,
+    taking one ``params`` struct.
+
+    An axis is a ``(letter, values)`` pair. Its values are numpy dtypes (a type
+    parameter) or ints (an ``int`` parameter: a width compiled in, or
+    ``RUN_TIME`` for the kernel that reads it from the struct). Entry points are
+    ``function`` followed by ``_<letter><bits or int>`` per axis, one for each
+    combination of values.
     """
 
     def __init__(self, file: str, function: str, params: Params, axes: tuple = ()):
@@ -62,9 +78,15 @@ class KernelFamily:
         self._names = {variant: self.entry_name(variant) for variant in self.variants}
 
     def entry_name(self, variant: tuple) -> str:
-        """The entry point for one tuple of dtypes (one per axis)."""
-        return self.function + "".join(f"_{letter}{np.dtype(dtype).itemsize * 8}"
-                                       for (letter, _), dtype in zip(self.axes, variant))
+        """The entry point for one tuple of values (one per axis)."""
+        return self.function + "".join(f"_{letter}{_suffix(value)}"
+                                       for (letter, _), value in zip(self.axes, variant))
+
+    def compiled_in(self, letter: str, value: int) -> int:
+        """The value of the int axis ``letter`` whose kernel serves ``value``:
+        ``value`` when it is compiled in, else ``RUN_TIME``."""
+        (values,) = [values for axis, values in self.axes if axis == letter]
+        return value if value in values else RUN_TIME
 
     def entry_points(self) -> list[str]:
         return [self._names[variant] for variant in self.variants]
@@ -73,7 +95,7 @@ class KernelFamily:
         """The extern "C" entry points, generated from the declaration."""
         lines = []
         for variant in self.variants:
-            targs = f"<{', '.join(_C_TYPES[np.dtype(d)] for d in variant)}>" if variant else ""
+            targs = f"<{', '.join(_template_argument(v) for v in variant)}>" if variant else ""
             lines.append(f'extern "C" __global__ void __launch_bounds__(DSV4_THREADS) '
                          f"{self._names[variant]}(const {self.params.c_name} p) "
                          f"{{ dsv4::{self.function}{targs}(p); }}")

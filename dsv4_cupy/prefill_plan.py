@@ -8,16 +8,13 @@ from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
 from .prepared import PreparedOp
 from .scalars import check_int
-from .spec import cdiv
-
-#: Upstream's ``window_size`` default (DeepSeek-V4's sliding window).
-DEFAULT_WINDOW_SIZE = 128
+from .spec import SWA_WINDOW_SIZE, cdiv
 
 _PREPARED_GATHER = PreparedOp("compute_prefill_gather_lens")
 
 
 def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num_prefills: int,
-                                window_size: int = DEFAULT_WINDOW_SIZE, *, out=None,
+                                window_size: int = SWA_WINDOW_SIZE, *, out=None,
                                 validate: str = "default"):
     """Raw tokens each prefill request gathers from the SWA cache (vLLM's
     ``ComputePrefillMetadataKernel``, upstream.md §8.3).

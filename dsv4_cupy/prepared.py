@@ -65,6 +65,7 @@ class CheckedCall(NamedTuple):
     blocks: int                   # 0: nothing to launch
     fields: dict | None           # the kernel struct's fields (GPU)
     run_cpu: Callable | None      # the CPU kernel's call (CPU)
+    variant: tuple = ()           # the kernel's entry point: a value per axis of its family
 
 
 class PreparedOp:
@@ -96,7 +97,8 @@ class PreparedOp:
         if call.kind not in arrays.GPU_KINDS:
             call.run_cpu()
             return call.results
-        plans = (family.plan(call.device, call.blocks, **call.fields),) if call.blocks else ()
+        plans = ((family.plan(call.device, call.blocks, call.variant, **call.fields),)
+                 if call.blocks else ())
         return self.launch(key, plans, call.kind, call.device, call.results, call.results)
 
     def launch(self, key, plans: tuple[LaunchPlan, ...], kind: str, device: int, results,

@@ -21,6 +21,15 @@ ROPE_HEAD_DIM = 64
 HEAD_SIZE = NOPE_HEAD_DIM + ROPE_HEAD_DIM
 #: fp8_ds_mla bytes per token: 448 fp8 NoPE + 64 bf16 RoPE (128 B) + 8 scale bytes.
 FP8_DS_MLA_BYTES_PER_TOKEN = NOPE_HEAD_DIM + 2 * ROPE_HEAD_DIM + 8
+#: Tokens of DeepSeek-V4's sliding window (the width of its SWA rows).
+SWA_WINDOW_SIZE = 128
+#: Rows per block of the SWA cache.
+SWA_BLOCK_SIZE = 64
+#: Compress ratio of the C4A layers, and their compressed rows per cache block.
+C4A_RATIO = 4
+C4A_BLOCK_SIZE = KV_BLOCK_SIZE // C4A_RATIO
+#: The indexer's top-k (``hf_config.index_topk``): V4-Flash, V4-Pro.
+INDEX_TOPKS = (512, 1024)
 #: Sentinel for "no slot" in slot mappings and top-k index rows.
 PAD_SLOT_ID = -1
 #: DeepSeek-V4 max_position_embeddings.

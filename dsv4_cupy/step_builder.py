@@ -15,12 +15,13 @@ from .combine import build_c128a_combined_prefill_rows, combined_width
 from .families import SLOT_MAPPING_AXIS
 from .indexer import build_indexer_decode_metadata, build_indexer_prefill_chunk_metadata
 from .metadata import CommonAttentionMetadata, exported_to_torch
-from .prefill_plan import DEFAULT_WINDOW_SIZE, compute_prefill_gather_lens, get_prefill_chunk_plan
+from .prefill_plan import compute_prefill_gather_lens, get_prefill_chunk_plan
 from .prepared import PlanCache, PreparedCall
 from .scalars import check_int
 from .slot_mapping import get_compressed_slot_mapping
 from .split import host_prefilling as host_prefilling_view
-from .spec import KV_BLOCK_SIZE, MAX_BLOCK_SIZE, active_width_unchecked, cdiv
+from .spec import (INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE, SWA_WINDOW_SIZE,
+                   active_width_unchecked, cdiv)
 from .step_kernel import step_plan
 from .swa import compute_swa_indices_and_lens
 
@@ -154,7 +155,7 @@ class DeepseekV4StepMetadataBuilder:
 
     def __init__(self, max_model_len: int, max_num_batched_tokens: int, *,
                  block_size: int = KV_BLOCK_SIZE, swa_block_size: int = SWA_BLOCK_SIZE,
-                 window_size: int = DEFAULT_WINDOW_SIZE, index_topk: int = 512,
+                 window_size: int = SWA_WINDOW_SIZE, index_topk: int = INDEX_TOPKS[0],
                  num_speculative_tokens: int = 0, treat_short_extends_as_decodes: bool = True,
                  width_policy: str = "active", combined_prefill: bool = False,
                  prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
@@ -643,7 +644,7 @@ class DeepseekV4StepMetadataBuilder:
                 is_valid_token=0, indices=ptr[id(self.swa_indices_buffer)],
                 lens=ptr[id(self.swa_lens_buffer)], indices_stride=W, window_size=W,
                 block_size=self.swa_block_size, token_offset=0, num_rows=T),
-                geometry.warp_row_blocks(T))
+                geometry.row_lane_blocks(T))
         n = self.max_num_batched_tokens
         for group, buffer in (("c4a", self.c4a_slot_mapping_buffer),
                               ("indexer", self.indexer_slot_mapping_buffer)):
@@ -680,7 +681,7 @@ class DeepseekV4StepMetadataBuilder:
             sections["short_context"] = (params.SHORT_CONTEXT.values(
                 positions=positions.ptr, out=ptr[id(self.short_context_buffer)],
                 out_stride=self.index_topk, top_k=self.index_topk, ratio=C4A_RATIO,
-                num_tokens=T), geometry.warp_row_blocks(T))
+                num_tokens=T), geometry.row_lane_blocks(T))
         swa_slots = groups["swa"]["swa.slot_mapping"].ptr
         valid_out = ptr[id(self.is_valid_token_buffer)]
         combine_launches = []
@@ -719,7 +720,7 @@ class DeepseekV4StepMetadataBuilder:
                         swa_offset=[chunk[2] for chunk in piece] + pad))
                 if len(launches) <= index // limit:
                     launches.append({})
-                launches[index // limit][name] = (values, geometry.warp_row_blocks(t1 - t0))
+                launches[index // limit][name] = (values, geometry.row_lane_blocks(t1 - t0))
         return launches or [{}]
 
 

@@ -5,6 +5,7 @@ import numpy as np
 
 from . import arrays, cpu, families, geometry, params, validation
 from .arrays import BOOL, INT32
+from .loader import RUN_TIME
 from .prepared import PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
@@ -99,8 +100,12 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     if kind in arrays.GPU_KINDS:
         plans = ()
         if num_rows:
+            # The compiled-in window's 32-bit positions need the table's span under the limit.
+            fits = table.shape[1] * block_size + window_size <= geometry.POSITION_LIMIT
+            variant = (families.SWA.compiled_in("w", window_size) if fits else RUN_TIME,
+                       families.SWA.compiled_in("b", block_size))
             plans = (families.SWA.plan(
-                device, geometry.warp_row_blocks(num_rows),
+                device, geometry.row_lane_blocks(num_rows), variant,
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 table=arrays.block_table_group(table), token_to_req=token_to_req.ptr,

@@ -11,7 +11,7 @@ namespace dsv4 {
 __device__ __forceinline__ void c4a_layer_topk(const C4ALayerParams& p) {
     const i64 block = blockIdx.x;
     if (block < p.decode_blocks)
-        global_topk_indices_and_lens(p.decode, Blocks{block, p.decode_blocks});
+        global_topk_indices_and_lens<DSV4_RUN_TIME, DSV4_RUN_TIME>(p.decode, Blocks{block, p.decode_blocks});
     else
         combine_topk_swa_indices(p.prefill,
                                  Blocks{block - p.decode_blocks, gridDim.x - p.decode_blocks});

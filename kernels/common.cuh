@@ -11,7 +11,8 @@
 //  * no instruction that only one of sm_90 and sm_100 has: the same source
 //    serves both (warp_sum's redux, sm_80 and later, falls back to shuffles
 //    on older devices).
-// DSV4_THREADS and DSV4_PAD_SLOT_ID come from the loader (one definition, in Python).
+// DSV4_THREADS, DSV4_PAD_SLOT_ID, DSV4_RUN_TIME and DSV4_POSITION_LIMIT come from the
+// loader (one definition each, in Python).
 #pragma once
 #include "params.cuh"
 
@@ -106,11 +107,29 @@ struct PlainDivisor {
     __device__ __forceinline__ i64 div(i64 e) const { return e / size; }
     __device__ __forceinline__ int mod(int e) const { return e % size; }
 };
-// f(divisor) with the divisor that fits `size` (> 0).
-template <typename F>
+// f(divisor) with the divisor that fits `size` (> 0): kSize compiled in (a
+// power of two, an entry point's int axis), or DSV4_RUN_TIME for `size`.
+__host__ __device__ constexpr int log2_of(int power_of_two) {
+    return power_of_two <= 1 ? 0 : 1 + log2_of(power_of_two >> 1);
+}
+template <int kSize = DSV4_RUN_TIME, typename F>
 __device__ __forceinline__ void with_block_divisor(int size, const F& f) {
-    if (__popc(size) == 1) f(ShiftDivisor{size, __ffs(size) - 1});
-    else f(PlainDivisor{size});
+    if constexpr (kSize != DSV4_RUN_TIME) {
+        static_assert((kSize & (kSize - 1)) == 0, "a compiled-in block size is a power of two");
+        f(ShiftDivisor{kSize, log2_of(kSize)});
+    } else if (__popc(size) == 1) {
+        f(ShiftDivisor{size, __ffs(size) - 1});
+    } else {
+        f(PlainDivisor{size});
+    }
+}
+
+// A width compiled into the kernel (an entry point's int axis, loader.py), or
+// the struct's run-time one when kWidth is DSV4_RUN_TIME. A compiled-in width
+// turns the column loops of its rows into straight-line code.
+template <int kWidth>
+__device__ __forceinline__ int compiled_or(i64 run_time) {
+    return kWidth != DSV4_RUN_TIME ? kWidth : (int)run_time;
 }
 
 // Column e of a C128A row with n addressable rows: -1 past n; a decode row
@@ -253,41 +272,45 @@ struct Blocks {
 };
 __device__ __forceinline__ Blocks whole_grid() { return Blocks{blockIdx.x, gridDim.x}; }
 
-// One warp per row: this warp's first row, its lane, and the row step of a
-// grid-stride loop over rows (indexer_decode's; fill_warp_rows has none).
-struct WarpRows {
+// kLanes threads per row (a warp, or a multiple of one): this group's first
+// row, its lane, and the row step of a grid-stride loop over rows
+// (indexer_decode's; fill_rows has none).
+template <int kLanes>
+struct RowLanes {
+    static_assert(kLanes % 32 == 0 && DSV4_THREADS % kLanes == 0, "whole warps, whole blocks");
     i64 first, step;
     int lane;
-    __device__ __forceinline__ explicit WarpRows(const Blocks& blocks)
-        : first((blocks.index * DSV4_THREADS + threadIdx.x) >> 5),
-          step((blocks.count * DSV4_THREADS) >> 5), lane((int)(threadIdx.x & 31)) {}
+    __device__ __forceinline__ explicit RowLanes(const Blocks& blocks)
+        : first((blocks.index * DSV4_THREADS + threadIdx.x) / kLanes),
+          step((blocks.count * DSV4_THREADS) / kLanes), lane((int)(threadIdx.x % kLanes)) {}
 };
+using WarpRows = RowLanes<32>;
 
 // Row r of a row kernel is row_at(r): `.value(e)` gives column e and
-// `.length()` the row's length. A warp takes a row, every lane builds the
-// row's state once (the same loads, in parallel), lane 0 writes the length and
-// every lane its share of the row's 16-byte vectors (fill_columns). Measured
-// on the H200 at 8192 rows:
+// `.length()` the row's length. kLanes threads take a row (a warp unless the
+// kernel says otherwise), every lane builds the row's state once (the same
+// loads, in parallel), lane 0 writes the length and every lane its share of
+// the row's 16-byte vectors (fill_columns). Measured on the H200 at 8192 rows:
 //  * a flat mapping of vectors to threads rebuilt the state per vector and was
 //    instruction-bound on rows of 640 and 8320 columns (26% and 36% of the
 //    write ceiling);
-//  * the grid has a warp for every row (geometry.warp_row_blocks), so there is
-//    no grid-stride loop, whose setup the compiler hoisted ahead of the first
-//    row's loads: without it the SWA rows were 8% and the C4A and SWA-only
-//    combined rows 9-10% faster (the C128A combined rows 5-8% slower with the
-//    unrolled column loop, hence the combine's ColumnLoop::kCompact);
+//  * the grid has a group for every row (geometry.row_lane_blocks), so there
+//    is no grid-stride loop, whose setup the compiler hoisted ahead of the
+//    first row's loads: without it the SWA rows were 8% and the C4A and
+//    SWA-only combined rows 9-10% faster (the C128A combined rows 5-8% slower
+//    with the unrolled column loop, hence the combine's ColumnLoop::kCompact);
 //  * the length written before the columns: SWA and SWA-only combined rows
 //    4-5% faster than after them.
-template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename RowAt>
-__device__ __forceinline__ void fill_warp_rows(int* __restrict__ out, i64 out_stride,
-                                               int* __restrict__ lens, i64 num_rows, int width,
-                                               const Blocks& blocks, const RowAt& row_at) {
-    const WarpRows rows(blocks);
+template <ColumnLoop kLoop = ColumnLoop::kUnrolled, int kLanes = 32, typename RowAt>
+__device__ __forceinline__ void fill_rows(int* __restrict__ out, i64 out_stride,
+                                          int* __restrict__ lens, i64 num_rows, int width,
+                                          const Blocks& blocks, const RowAt& row_at) {
+    const RowLanes<kLanes> rows(blocks);
     const i64 r = rows.first;
     if (r >= num_rows) return;
     const auto row = row_at(r);
     if (rows.lane == 0 && lens != nullptr) lens[r] = row.length();
-    fill_columns<kLoop>(out + r * out_stride, 0, width, rows.lane, 32,
+    fill_columns<kLoop>(out + r * out_stride, 0, width, rows.lane, kLanes,
                         [&](int e) { return row.value(e); });
 }
 

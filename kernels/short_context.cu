@@ -1,6 +1,6 @@
 // fill_short_context_topk_indices: row t holds k for k < n = (positions[t] + 1)
 // / ratio (truncating, clamped to [0, top_k]) and -1 after, over top_k columns:
-// the C128A prefill row rule at another ratio and width. A warp per row.
+// the C128A prefill row rule at another ratio and width.
 #include "common.cuh"
 
 namespace dsv4 {
@@ -10,13 +10,16 @@ struct ShortContextRow {
     __device__ __forceinline__ int length() const { return n; }
 };
 
-template <typename PosT>
+// kLanes threads take a row: a warp, or for few rows four warps, a 16-byte
+// store each for 512 columns (geometry.short_context_lanes says when).
+template <typename PosT, int kLanes>
 __device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p,
                                                                 const Blocks& blocks = whole_grid()) {
     const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
-    fill_warp_rows(p.out, p.out_stride, nullptr, p.num_tokens, (int)p.top_k,
-                   blocks, [&](i64 t) { return ShortContextRow{visible_rows(positions[t], p.ratio,
-                                                                    p.top_k)}; });
+    fill_rows<ColumnLoop::kUnrolled, kLanes>(p.out, p.out_stride, nullptr, p.num_tokens,
+                                             (int)p.top_k, blocks, [&](i64 t) {
+        return ShortContextRow{visible_rows(positions[t], p.ratio, p.top_k)};
+    });
 }
 
 }  // namespace dsv4

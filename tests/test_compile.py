@@ -36,6 +36,21 @@ def test_entry_points_follow_the_declared_dtype_axes():
     assert "step_metadata<long long, int>(p)" in families.STEP.stubs()
 
 
+def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
+    assert families.SWA.entry_points() == [f"swa_indices_and_lens_w{w}_b{b}"
+                                           for w in (0, 128) for b in (0, 64)]
+    assert families.GLOBAL_TOPK.entry_points() == [
+        f"global_topk_indices_and_lens_k{k}_b{b}" for k in (0, 512, 1024) for b in (0, 64)]
+    assert families.SHORT_CONTEXT.entry_points() == [
+        f"fill_short_context_topk_indices_p{p}_l{lanes}" for p in (32, 64) for lanes in (32, 128)]
+    assert "swa_indices_and_lens<128, 0>(p)" in families.SWA.stubs()
+    assert "fill_short_context_topk_indices<long long, 128>(p)" in families.SHORT_CONTEXT.stubs()
+    assert families.SWA.compiled_in("w", 128) == 128
+    assert families.SWA.compiled_in("w", 127) == loader.RUN_TIME
+    assert families.GLOBAL_TOPK.compiled_in("k", 1024) == 1024
+    assert families.GLOBAL_TOPK.compiled_in("b", 32) == loader.RUN_TIME
+
+
 def test_source_inlines_includes_with_line_marks_and_shared_constants():
     text = loader.source(families.C128A)
     assert text.startswith('#line 1 "kernels/c128a.cu"')

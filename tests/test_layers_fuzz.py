@@ -142,3 +142,95 @@ def test_nothing_compiles_after_warmup():
         for run, make_case in FUNCTIONS.values():
             run(kind, *make_case(rng), reference=False)
     assert [len(f.signatures) for f in kernel_dispatchers()] == before
+
+
+def variants_launched(monkeypatch, family):
+    """The variants (entry points) of ``family`` that ops launch from now on."""
+    seen = []
+    plan = family.plan
+
+    def spy(device, blocks, variant=(), **fields):
+        seen.append(tuple(variant))
+        return plan(device, blocks, variant, **fields)
+
+    monkeypatch.setattr(family, "plan", spy)
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_swa_window_compiled_in_up_to_the_32_bit_span(kind, monkeypatch):
+    """W = 128 takes the compiled-in kernel (32-bit positions, clamped) while a
+    table row's span plus W stays under geometry.POSITION_LIMIT, the run-time
+    kernel past it; both agree with the CPU path and the reference on positions
+    around the span, the limit and int32's end."""
+    from dsv4_cupy import families, geometry
+    seen = variants_launched(monkeypatch, families.SWA)
+    block_size = 1 << 23
+    limit = geometry.POSITION_LIMIT
+    rng = np.random.default_rng(3)
+    for cols, window_kernel in ((limit // block_size - 1, 128), (limit // block_size, 0)):
+        span = cols * block_size
+        seq = [span - 5, span + 3, span + 130, limit - 1, limit, limit + 5, 2**31 - 1, 5, 130,
+               limit - 129, span - 128]
+        qsl = list(range(len(seq) + 1))
+        table = rng.integers(-1, 1 << 20, (len(seq), cols)).astype(I32)
+        case = (128, qsl, seq, list(range(len(seq))), [True] * len(seq), table, block_size)
+        seen.clear()
+        got = run_swa(kind, *case)
+        assert set(seen) == {(window_kernel, 0)}
+        assert_same_results(got, run_swa("numpy", *case, reference=False))
+        assert to_numpy(got[1]).max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
+    """The global top-k at K = 512 and 1024 and block size 64 (compiled in) and
+    others, the short-context rows at each lane count (four warps for rows up to
+    the SM count, a warp after): every variant the ops pick, against the CPU
+    path and the reference."""
+    from dsv4_cupy import device, families
+    rng = np.random.default_rng(11)
+    topk_seen = variants_launched(monkeypatch, families.GLOBAL_TOPK)
+    for width in (512, 1024, 513, 4, 1):
+        for rows, block_size in ((1, 64), (40, 64), (40, 3)):
+            topk = rng.integers(-1, 3000, (rows, width)).astype(I32)
+            table = rng.integers(-1, 1 << 20, (8, 40)).astype(I32)
+            reqs = rng.integers(-1, 9, rows).tolist()
+            valid = (rng.random(rows) < 0.9).tolist()
+            args = (topk, reqs, table, block_size, valid)
+            assert_same_results(run_global_topk(kind, *args, reference=rows == 1),
+                                run_global_topk("numpy", *args, reference=False))
+    assert set(topk_seen) == {(k, b) for k in (512, 1024, 0) for b in (64, 0)}
+    short_seen = variants_launched(monkeypatch, families.SHORT_CONTEXT)
+    sms = device.sm_count(0)
+    for rows in (1, sms, sms + 1, 700):
+        for top_k in (512, 1024, 100):
+            for dtype in (np.int32, np.int64):
+                positions = rng.integers(-10, 5000, rows).tolist()
+                case = (positions, top_k, 4)
+                got = run_short_context(kind, *case, dtype=dtype, reference=rows == 1)
+                np.testing.assert_array_equal(got, run_short_context("numpy", *case, dtype=dtype,
+                                                                     reference=False))
+    assert {v[1] for v in short_seen} == {32, 128}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("requests", [31, 32, 33, 100, 1000])
+def test_combine_of_many_requests_against_cpu(kind, requests):
+    """Chunks of many requests (each row's request found by binary search), with
+    empty requests and a query layout not starting at 0, against the CPU path
+    and the reference."""
+    rng = np.random.default_rng(requests)
+    query_lens = rng.integers(0, 5, requests) * (rng.random(requests) < 0.8)
+    seq = (query_lens + rng.integers(0, 600, requests)).tolist()
+    qsl = (17 + np.concatenate([[0], np.cumsum(query_lens)])).tolist()
+    gather = [q + min(max(s - q, 0), 127) for q, s in zip(query_lens.tolist(), seq)]
+    tokens = int(query_lens.sum()) + 3
+    for topk, ratio in ((0, 0), (40, 4)):
+        local = rng.integers(-1, 160, (tokens, topk)).astype(I32)
+        case = (local, qsl, seq, gather, 128, ratio, topk, 160 + max(gather) + 1, 160)
+        got = run_combine(kind, *case, reference=requests <= 100)
+        assert_same_results(got, run_combine("numpy", *case, reference=False))
