@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..spec import C4A_BLOCK_SIZE as C4A_BLOCK
+from ..spec import C4A_RATIO, INDEX_TOPKS
+from ..spec import SWA_BLOCK_SIZE as SWA_BLOCK
+from ..spec import SWA_WINDOW_SIZE as WINDOW
+
 MAX_MODEL_LEN = 1 << 20
-WINDOW, SWA_BLOCK = 128, 64
-C4A_RATIO, C4A_BLOCK, INDEX_TOPK = 4, 64, 512
+INDEX_TOPK = INDEX_TOPKS[0]
 C128A_RATIO, C128A_WIDTH = 128, 8192
 
 

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..spec import C4A_BLOCK_SIZE as C4A_BLOCK
+from ..spec import SWA_BLOCK_SIZE as SWA_BLOCK
+from ..spec import SWA_WINDOW_SIZE as WINDOW
+
 #: DeepSeek-V4-Flash's layers whose prefill rows upstream combines once per layer.
 C128A_LAYERS, SWA_ONLY_LAYERS = 20, 2
-WINDOW, SWA_BLOCK, C4A_BLOCK, C128A_BLOCK = 128, 64, 64, 2
+C128A_BLOCK = 2
 
 #: (case, decode requests, tokens per decode, prefill query lengths)
 STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x1", 64, 1, []),
