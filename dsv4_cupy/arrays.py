@@ -206,6 +206,11 @@ def _rows_contiguous(op: Operand) -> bool:
     return (cols <= 1 or strides[1] == 1) and (rows <= 1 or strides[0] >= cols)
 
 
+def vector_rows(*ops) -> bool:
+    """Whether every row of these 2-D arrays starts 16 bytes aligned (int4 loads and stores)."""
+    return all(op.ptr % 16 == 0 and row_stride(op) * op.dtype.itemsize % 16 == 0 for op in ops)
+
+
 def row_stride(op: Operand) -> int:
     """Elements between rows of a 2-D array (at least its width: a one-row view
     may report any stride)."""

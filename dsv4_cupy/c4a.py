@@ -8,6 +8,7 @@ import numpy as np
 from . import arrays, cpu, families, geometry, validation
 from .arrays import BOOL, INT32
 from .families import POSITIONS_AXIS
+from .loader import RUN_TIME
 from .prepared import CheckedCall, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
@@ -60,9 +61,14 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
                                        block_table, block_size, is_valid_token, compact)
     if results is not None:
         return results
-    return _GLOBAL_TOPK.run(key, families.GLOBAL_TOPK, check_global_topk(
+    return _GLOBAL_TOPK.run(key, global_topk_family(compact), check_global_topk(
         topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, compact,
         out, validate))
+
+
+def global_topk_family(compact: bool):
+    """The kernels of ``compute_global_topk_indices_and_lens``'s rows, compacted or not."""
+    return families.GLOBAL_TOPK_COMPACT if compact else families.GLOBAL_TOPK
 
 
 def check_global_topk(topk_indices, token_to_req_indices, block_table, block_size,
@@ -101,10 +107,13 @@ def check_global_topk(topk_indices, token_to_req_indices, block_table, block_siz
             token_to_req=token_to_req.ptr, is_valid_token=valid.ptr, out=indices.ptr,
             lens=lens.ptr, topk_stride=arrays.row_stride(topk),
             out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
-            block_size=block_size, compact=int(compact))
+            block_size=block_size)
+        # A compiled-in K also means rows of 16-byte vectors (kernels/global_topk.cu).
+        width_in = (families.GLOBAL_TOPK.compiled_in("k", width)
+                    if arrays.vector_rows(topk, indices) else RUN_TIME)
+        variant = () if compact else (width_in, families.GLOBAL_TOPK.compiled_in("b", block_size))
         return CheckedCall(kind, device, results, geometry.row_blocks(num_tokens), fields, None,
-                           (families.GLOBAL_TOPK.compiled_in("k", width),
-                            families.GLOBAL_TOPK.compiled_in("b", block_size)))
+                           variant)
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
@@ -169,8 +178,11 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
         plans = ()
         if num_tokens and top_k:        # rows of no columns: nothing to write, no grid to size
             lanes = geometry.short_context_lanes(num_tokens, device)
-            plans = (families.SHORT_CONTEXT.plan(
-                device, geometry.row_lane_blocks(num_tokens, lanes), (positions_dtype, lanes),
+            family = families.SHORT_CONTEXT
+            variant = (positions_dtype, lanes, family.compiled_in("k", top_k),
+                       family.compiled_in("r", compress_ratio))
+            plans = (family.plan(
+                device, geometry.row_lane_blocks(num_tokens, lanes), variant,
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),
                 top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens),)
         return _SHORT_CONTEXT.launch(key, plans, kind, device, result, (result,))

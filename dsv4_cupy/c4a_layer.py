@@ -1,7 +1,7 @@
 """``c4a_layer_topk``: both uses of a C4A layer's indexer top-k in one launch."""
 from __future__ import annotations
 
-from . import arrays, families, params
+from . import arrays, families, geometry, params
 from .arrays import INT32
 from .c4a import check_global_topk
 from .combine import check_combine
@@ -70,7 +70,7 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
                                validate)
     prefill = check_combine(topk_indices[num_decode_tokens:], query_start_loc, seq_lens,
                             gather_lens, window_size, compress_ratio, width, M, N, prefill_out,
-                            validate)
+                            validate, lanes=geometry.WARP_LANES)   # c4a_layer.cu: a warp per row
     if decode.kind != prefill.kind or decode.device != prefill.device:
         raise TypeError("query_start_loc: expected arrays of the kind and device of "
                         "topk_indices for both parts")
@@ -95,7 +95,8 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
         plans = (families.C4A_LAYER.plan(
             decode.device, decode.blocks + prefill.blocks,
             decode=params.GLOBAL_TOPK.values(**decode.fields),
-            prefill=params.COMBINE.values(**prefill.fields), decode_blocks=decode.blocks),)
+            prefill=params.COMBINE.values(**prefill.fields), decode_blocks=decode.blocks,
+            decode_compact=int(compact)),)
     views = (*decode.results, *prefill.results)
     return _PREPARED.launch(key, plans, decode.kind, decode.device, results, views)
 

@@ -7,15 +7,7 @@ from . import arrays, cpu, families, geometry, params, validation
 from .arrays import INT32
 from .prepared import CheckedCall, PreparedOp
 from .scalars import check_int
-from .spec import MAX_BLOCK_SIZE, round_up
-
-#: FlashMLA sparse prefill needs the row width to be a multiple of its top-k block.
-COMBINED_WIDTH_ALIGNMENT = 128
-
-
-def combined_width(topk: int, window_size: int) -> int:
-    """``C = round_up(topk + window_size, 128)``: 640 (C4A Flash), 8320 (C128A at 1M), 128 (SWA)."""
-    return round_up(topk + window_size, COMBINED_WIDTH_ALIGNMENT)
+from .spec import MAX_BLOCK_SIZE, combined_width
 
 _PREPARED = PreparedOp("combine_topk_swa_indices")
 _C128A_ROWS = PreparedOp("build_c128a_combined_prefill_rows")
@@ -122,10 +114,13 @@ def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens
 
 
 def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-                  compress_ratio, topk, M, N, out, validate, num_tokens=None) -> CheckedCall:
+                  compress_ratio, topk, M, N, out, validate, num_tokens=None,
+                  lanes=None) -> CheckedCall:
     """The checks of ``combine_topk_swa_indices``, and its launch or CPU call.
     ``topk_indices=None`` stands for C128A's local prefill rows (``x = k``) of
-    ``num_tokens`` tokens, which the kernel computes instead of reading."""
+    ``num_tokens`` tokens, which the kernel computes instead of reading.
+    ``lanes``: threads per row of the kernel that runs the rows (default
+    ``geometry.combine_lanes``; a fused kernel says its own)."""
     indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
     kind, device, ops = arrays.probe_all({
         "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
@@ -165,8 +160,11 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
             out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
             window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
             swa_offset=N)
+        lanes = geometry.combine_lanes(width) if lanes is None else lanes
         return CheckedCall(kind, device, results,
-                           geometry.row_lane_blocks(num_tokens) if num_tokens else 0, fields, None)
+                           geometry.row_lane_blocks(num_tokens, lanes) if num_tokens else 0,
+                           fields, None, (families.COMBINE.compiled_in("c", width),
+                                          families.COMBINE.compiled_in("w", window_size), lanes))
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d

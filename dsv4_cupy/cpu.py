@@ -81,9 +81,10 @@ def _div_trunc(a, b):
 
 @njit(cache=True, inline="always")
 def _request_of(qsl, num_reqs, t):
-    """Largest i with qsl[i + 1] > t (binary search, as the device kernel does)."""
+    """The first i with qsl[i + 1] > t, else num_reqs - 1: a binary search that never
+    tests request num_reqs - 1, as the device kernel's (request_of, common.cuh)."""
     lo = 0
-    hi = num_reqs
+    hi = num_reqs - 1
     while lo < hi:
         mid = (lo + hi) // 2
         if qsl[mid + 1] <= t:

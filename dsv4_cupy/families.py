@@ -1,5 +1,6 @@
 """Every kernel family, declared once: its ``.cu`` file, templated function,
-parameter struct and variants (dtypes, widths compiled in). Ops and the
+parameter struct and variants (dtypes, widths compiled in). A file may hold
+two families' functions (the global top-k's rows and its compacted rows). Ops and the
 builder launch through these by field name; ``warmup()`` and
 ``python -m dsv4_cupy compile`` walk ``ALL``."""
 from __future__ import annotations
@@ -7,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import params
-from .geometry import SHORT_CONTEXT_LANES
+from .geometry import COMBINE_LANES, SHORT_CONTEXT_LANES
 from .loader import RUN_TIME, KernelFamily
-from .spec import C4A_BLOCK_SIZE, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE
+from .spec import C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, combined_width
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
 #: Axes of the families templated on the positions and slot-mapping dtypes.
@@ -22,6 +23,13 @@ SWA_WINDOW_AXIS = ("w", (RUN_TIME, SWA_WINDOW_SIZE))
 SWA_BLOCK_AXIS = ("b", (RUN_TIME, SWA_BLOCK_SIZE))
 TOP_K_AXIS = ("k", (RUN_TIME, *INDEX_TOPKS))
 C4A_BLOCK_AXIS = ("b", (RUN_TIME, C4A_BLOCK_SIZE))
+#: Combined row widths: SWA-only layers' (no top-k part), then the C4A layers'.
+COMBINED_WIDTH_AXIS = ("c", (RUN_TIME, *(combined_width(topk, SWA_WINDOW_SIZE)
+                                         for topk in (0, *INDEX_TOPKS))))
+#: The C4A layers' compress ratio.
+C4A_RATIO_AXIS = ("r", (RUN_TIME, C4A_RATIO))
+#: Threads per combined row (geometry.combine_lanes).
+COMBINE_LANES_AXIS = ("l", COMBINE_LANES)
 #: Threads per row of the short-context rows (geometry.short_context_lanes).
 ROW_LANES_AXIS = ("l", SHORT_CONTEXT_LANES)
 
@@ -37,9 +45,14 @@ SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA,
                   (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS))
 GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK,
                            (TOP_K_AXIS, C4A_BLOCK_AXIS))
+#: The same rows with their valid entries packed to the front (``compact=True``).
+GLOBAL_TOPK_COMPACT = KernelFamily("global_topk.cu", "global_topk_compact_indices_and_lens",
+                                   params.GLOBAL_TOPK)
 SHORT_CONTEXT = KernelFamily("short_context.cu", "fill_short_context_topk_indices",
-                             params.SHORT_CONTEXT, (POSITIONS_AXIS, ROW_LANES_AXIS))
-COMBINE = KernelFamily("combine.cu", "combine_topk_swa_indices", params.COMBINE)
+                             params.SHORT_CONTEXT,
+                             (POSITIONS_AXIS, ROW_LANES_AXIS, TOP_K_AXIS, C4A_RATIO_AXIS))
+COMBINE = KernelFamily("combine.cu", "combine_topk_swa_indices", params.COMBINE,
+                       (COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, COMBINE_LANES_AXIS))
 PREFILL_GATHER = KernelFamily("prefill_gather.cu", "prefill_gather_lens", params.PREFILL_GATHER)
 INDEXER_PREFILL = KernelFamily("indexer_prefill.cu", "indexer_prefill_chunk_metadata",
                                params.INDEXER_PREFILL)
@@ -47,7 +60,7 @@ INDEXER_DECODE = KernelFamily("indexer_decode.cu", "indexer_decode_metadata",
                               params.INDEXER_DECODE)
 #: The fused per-layer family: the two above for one C4A layer in one launch.
 C4A_LAYER = KernelFamily("c4a_layer.cu", "c4a_layer_topk", params.C4A_LAYER)
-ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
+ALL += (SWA, GLOBAL_TOPK, GLOBAL_TOPK_COMPACT, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
         INDEXER_DECODE, C4A_LAYER)
 #: The fused step kernel of both builders: every step-level output in one launch.
 STEP = KernelFamily("step.cu", "step_metadata", params.STEP, (POSITIONS_AXIS, SLOT_MAPPING_AXIS))

@@ -62,11 +62,11 @@ def _template_argument(value) -> str:
 
 
 class KernelFamily:
-    """One ``.cu`` file's kernels: ``dsv4::function`` templated over ``axes``,
-    taking one ``params`` struct.
+    """The kernels of one function of a ``.cu`` file: ``dsv4::function``
+    templated over ``axes``, taking one ``params`` struct.
 
     An axis is a ``(letter, values)`` pair. Its values are numpy dtypes (a type
-    parameter) or ints (an ``int`` parameter: a width compiled in, or
+    parameter) or ints (an ``int`` parameter: a width, window or ratio compiled in, or
     ``RUN_TIME`` for the kernel that reads it from the struct). Entry points are
     ``function`` followed by ``_<letter><bits or int>`` per axis, one for each
     combination of values.

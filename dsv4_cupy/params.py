@@ -127,8 +127,7 @@ SWA = Params("SwaParams", [
 GLOBAL_TOPK = Params("GlobalTopkParams", [
     ("table", BLOCK_TABLE), ("topk_indices", PTR), ("token_to_req", PTR),
     ("is_valid_token", PTR), ("out", PTR), ("lens", PTR), ("topk_stride", I64),
-    ("out_stride", I64), ("width", I64), ("num_tokens", I64), ("block_size", I64),
-    ("compact", I64)])
+    ("out_stride", I64), ("width", I64), ("num_tokens", I64), ("block_size", I64)])
 SHORT_CONTEXT = Params("ShortContextParams", [
     ("positions", PTR), ("out", PTR), ("out_stride", I64), ("top_k", I64), ("ratio", I64),
     ("num_tokens", I64)])
@@ -149,7 +148,8 @@ INDEXER_DECODE = Params("IndexerDecodeParams", [
     ("decode_lens", PTR), ("block_rows", PTR), ("block_rows_stride", I64), ("num_tokens", I64),
     ("context_lens_len", I64), ("ratio", I64)])
 C4A_LAYER = Params("C4ALayerParams", [
-    ("decode", GLOBAL_TOPK), ("prefill", COMBINE), ("decode_blocks", I64)])
+    ("decode", GLOBAL_TOPK), ("prefill", COMBINE), ("decode_blocks", I64),
+    ("decode_compact", I64)])
 ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
         INDEXER_DECODE, C4A_LAYER)
 

@@ -46,6 +46,15 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
+#: FlashMLA sparse prefill needs the row width to be a multiple of its top-k block.
+COMBINED_WIDTH_ALIGNMENT = 128
+
+
+def combined_width(topk: int, window_size: int) -> int:
+    """``C = round_up(topk + window_size, 128)``: 640 (C4A Flash), 8320 (C128A at 1M), 128 (SWA)."""
+    return round_up(topk + window_size, COMBINED_WIDTH_ALIGNMENT)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

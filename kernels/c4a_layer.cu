@@ -10,9 +10,13 @@
 namespace dsv4 {
 __device__ __forceinline__ void c4a_layer_topk(const C4ALayerParams& p) {
     const i64 block = blockIdx.x;
-    if (block < p.decode_blocks)
-        global_topk_indices_and_lens<DSV4_RUN_TIME, DSV4_RUN_TIME>(p.decode, Blocks{block, p.decode_blocks});
-    else
+    if (block < p.decode_blocks) {
+        const Blocks blocks{block, p.decode_blocks};
+        if (p.decode_compact)
+            global_topk_compact_indices_and_lens(p.decode, blocks);
+        else
+            global_topk_indices_and_lens<DSV4_RUN_TIME, DSV4_RUN_TIME>(p.decode, blocks);
+    } else                       // a warp per row (c4a_layer.py's block count)
         combine_topk_swa_indices(p.prefill,
                                  Blocks{block - p.decode_blocks, gridDim.x - p.decode_blocks});
 }

@@ -7,8 +7,8 @@
 // total get an all -1 row and length 0. Without topk_indices (null) the
 // compressed entries are C128A's local prefill rows, x = k for k < k_len: the
 // rows need no input, and one build serves every C128A layer of a step. A
-// warp per row (fill_rows, the compact column loop); at 8192 tokens and
-// C = 8320 this is a 272 MB write.
+// warp per row, or a block per wide row (fill_rows, the compact column loop);
+// at 8192 tokens and C = 8320 this is a 272 MB write.
 #include "common.cuh"
 
 namespace dsv4 {
@@ -42,50 +42,68 @@ struct CombineChunk {
 // The rows of p, request b's chunk from chunk_of(b): the one chunk of the op's
 // arguments, or the step's plan. Without gather_lens (null) a request's
 // gather length is computed (prefill_gather_len), as the fused step does.
-template <typename ChunkOf>
+//
+// kWidth and kWindow are C and W compiled in (families.COMBINED_WIDTH_AXIS and
+// SWA_WINDOW_AXIS) or DSV4_RUN_TIME; with both compiled in and equal the rows
+// have no top-k part (C = round_up(topk + W, 128) >= topk + W), so nothing of
+// it is in the code. kLanes threads take a row: a warp, or a block for wide
+// rows (geometry.combine_lanes). kOneRequest: the chunk holds one request, b =
+// 0 (request_of would read nothing either, but the set-up of its loop waited
+// for qsl[0] ahead of the layout's loads). The row's request layout is read
+// with the row's first loads, before t < total is known (b is one of the
+// chunk's requests whenever there is one), and the row is computed without
+// branches: a conditional block took those loads after total's. Measured on the
+// H200, 8192 rows of one request, each run in one process with the Triton port:
+// SWA-only rows (c128_w128) 2.78 us against the port's 3.16, where the kernel
+// before this (run-time shapes, the conditional block) took 3.64 against 3.06;
+// C4A rows 8.27 against 11.78 (8.59 against 11.59 before).
+template <int kWidth, int kWindow, int kLanes, bool kOneRequest, typename ChunkOf>
 __device__ __forceinline__ void combine_rows(const CombineParams& p, const Blocks& blocks,
                                              const ChunkOf& chunk_of) {
+    constexpr bool kNoTopk = kWidth != DSV4_RUN_TIME && kWidth == kWindow;
     const int* __restrict__ qsl = p.query.query_start_loc;
-    const i64 base = qsl[0];
-    const i64 total = p.query.num_reqs > 0 ? (i64)qsl[p.query.num_reqs] - base : 0;
-    fill_rows<ColumnLoop::kCompact>(p.out, p.out_stride, p.lens, p.num_tokens, (int)p.width,
-                                    blocks, [&](i64 t) {
-        const int* topk_row = p.topk_indices != nullptr ? p.topk_indices + t * p.topk_stride
-                                                        : nullptr;
+    const i64 num_reqs = p.query.num_reqs, window = compiled_or<kWindow>(p.window_size);
+    fill_rows<ColumnLoop::kCompact, kLanes>(p.out, p.out_stride, p.lens, p.num_tokens,
+                                            compiled_or<kWidth>(p.width), blocks, [&](i64 t) {
+        const i64 base = qsl[0];
+        const int* topk_row = !kNoTopk && p.topk_indices != nullptr
+            ? p.topk_indices + t * p.topk_stride : nullptr;
         CombineRow row{topk_row, 0, 0, (int)p.swa_offset, 0, 0};
-        // Searched before t < total is known, so the search's loads need not
-        // wait for those of total (any t reads inside qsl). With one request
-        // the search's answer is 0 whatever qsl holds: skipped, 8192 rows of
-        // one request took 3.63 us (SWA-only) and 8.59 (C4A) against 4.27 and
-        // 8.93 on the H200.
-        const int b = p.query.num_reqs == 1 ? 0 : request_of(qsl, p.query.num_reqs, base + t);
-        if (t < total) {
-            const i64 qs = qsl[b], seq_len = p.query.seq_lens[b];
-            const i64 position = seq_len - ((i64)qsl[b + 1] - qs) + (base + t - qs);
-            row.topk_len = p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
-            const CombineChunk chunk = chunk_of(b);
-            const i64 gather_len = p.gather_lens != nullptr
-                ? (i64)p.gather_lens[b]
-                : prefill_gather_len((i64)qsl[b + 1] - qs, seq_len, p.window_size);
-            const i64 gather_start = seq_len - gather_len;
-            i64 swa_start = position - p.window_size + 1;
-            swa_start = swa_start > 0 ? swa_start : 0;
-            swa_start = swa_start > gather_start ? swa_start : gather_start;
-            row.swa_len = (int)clamp_i64(position - swa_start + 1, 0, p.window_size);
-            const i64 request_base = chunk.rows_per_request * (b - chunk.first_request);
-            row.request_base = (unsigned)request_base;
-            row.swa_offset = (int)chunk.swa_offset;
-            row.swa_first =
-                (unsigned)(request_base + chunk.swa_offset + (swa_start - gather_start));
+        const int b = kOneRequest ? 0 : request_of(qsl, num_reqs, base + t);
+        i64 qs = 0, qe = 0, seq_len = 0, gather_len = 0;
+        if (num_reqs > 0) {
+            qs = qsl[b];
+            qe = qsl[b + 1];
+            seq_len = p.query.seq_lens[b];
+            gather_len = p.gather_lens != nullptr ? (i64)p.gather_lens[b]
+                                                  : prefill_gather_len(qe - qs, seq_len, window);
         }
+        const bool in_chunk = num_reqs > 0 && t < (i64)qsl[num_reqs] - base;
+        const i64 position = seq_len - (qe - qs) + (base + t - qs);
+        if constexpr (!kNoTopk)
+            row.topk_len = in_chunk && p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
+        const CombineChunk chunk = chunk_of(b);
+        const i64 gather_start = seq_len - gather_len;
+        i64 swa_start = position - window + 1;
+        swa_start = swa_start > 0 ? swa_start : 0;
+        swa_start = swa_start > gather_start ? swa_start : gather_start;
+        row.swa_len = in_chunk ? (int)clamp_i64(position - swa_start + 1, 0, window) : 0;
+        const i64 request_base = chunk.rows_per_request * (b - chunk.first_request);
+        row.request_base = (unsigned)request_base;
+        row.swa_offset = (int)chunk.swa_offset;
+        row.swa_first = (unsigned)(request_base + chunk.swa_offset + (swa_start - gather_start));
         return row;
     });
 }
 
+template <int kWidth = DSV4_RUN_TIME, int kWindow = DSV4_RUN_TIME, int kLanes = 32>
 __device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
                                                          const Blocks& blocks = whole_grid()) {
-    combine_rows(p, blocks,
-                 [&](i64) { return CombineChunk{0, p.rows_per_request, p.swa_offset}; });
+    const auto chunk_of = [&](i64) { return CombineChunk{0, p.rows_per_request, p.swa_offset}; };
+    if (p.query.num_reqs == 1)
+        combine_rows<kWidth, kWindow, kLanes, true>(p, blocks, chunk_of);
+    else
+        combine_rows<kWidth, kWindow, kLanes, false>(p, blocks, chunk_of);
 }
 
 }  // namespace dsv4

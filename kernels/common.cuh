@@ -32,9 +32,11 @@ __device__ __forceinline__ i64 quotient(i64 n, i64 d) {
 }
 
 // The request owning flattened token t: the first i with qsl[i + 1] > t,
-// clamped to [0, num_reqs - 1]. Never reads qsl[num_reqs + 1].
+// clamped to [0, num_reqs - 1]. Request num_reqs - 1 is the answer when no
+// other is, so it is never tested: one request reads nothing, and qsl is read
+// below qsl[num_reqs].
 __device__ __forceinline__ int request_of(const int* __restrict__ qsl, i64 num_reqs, i64 t) {
-    i64 lo = 0, hi = num_reqs;
+    i64 lo = 0, hi = num_reqs - 1;
     while (lo < hi) {
         const i64 mid = (lo + hi) >> 1;
         if ((i64)qsl[mid + 1] <= t) lo = mid + 1; else hi = mid;
@@ -124,12 +126,13 @@ __device__ __forceinline__ void with_block_divisor(int size, const F& f) {
     }
 }
 
-// A width compiled into the kernel (an entry point's int axis, loader.py), or
-// the struct's run-time one when kWidth is DSV4_RUN_TIME. A compiled-in width
-// turns the column loops of its rows into straight-line code.
-template <int kWidth>
+// A value compiled into the kernel (an entry point's int axis, loader.py: a
+// width, a window, a ratio), or the struct's run-time one when kValue is
+// DSV4_RUN_TIME. The gains measured came with several such values together
+// (the kernels' comments), the code on a row's chain one straight line.
+template <int kValue>
 __device__ __forceinline__ int compiled_or(i64 run_time) {
-    return kWidth != DSV4_RUN_TIME ? kWidth : (int)run_time;
+    return kValue != DSV4_RUN_TIME ? kValue : (int)run_time;
 }
 
 // Column e of a C128A row with n addressable rows: -1 past n; a decode row

@@ -1,4 +1,5 @@
-// compute_global_topk_indices_and_lens: one block per token row (grid-stride).
+// compute_global_topk_indices_and_lens: one block per token row (grid-stride);
+// global_topk_compact_indices_and_lens: the same rows with `compact`.
 // Entry x of a row becomes block_table[req][x / bs] * bs + x % bs when 0 <= x
 // and x / bs is a column of the table row, else -1 (the 0x7FC00000 NaN
 // pattern included); the length counts the valid entries. An invalid token or
@@ -70,11 +71,11 @@ __device__ __forceinline__ void global_topk_vector(const int* source, int* targe
     *reinterpret_cast<int4*>(target + k) = y;
 }
 
-template <int kWidth, typename Divisor>
-__device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
-                                                 const Divisor& bs) {
+// Rows packed to the front (`compact`): a group of 4 * DSV4_THREADS entries at a time.
+template <typename Divisor>
+__device__ __forceinline__ void global_topk_compact_rows(const GlobalTopkParams& p,
+                                                         const Blocks& blocks, const Divisor& bs) {
     __shared__ int warp_counts[kGroupSlices][kWarps];
-    __shared__ int row_counts[kWarps];
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
@@ -87,26 +88,6 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
             p.table.entries + (usable ? req : 0) * p.table.row_stride;
         const int* source = p.topk_indices + t * p.topk_stride;
         int* target = p.out + t * p.out_stride;
-        if (!p.compact) {
-            const int width = compiled_or<kWidth>(p.width);
-            int mine = 0;        // this thread's valid entries
-            const bool vectors = (((reinterpret_cast<unsigned long long>(source) |
-                                    reinterpret_cast<unsigned long long>(target)) & 15ull) |
-                                  (unsigned long long)(width & 3)) == 0;
-            if (vectors) {
-                const int first = 4 * (int)threadIdx.x;
-                if (first < width) global_topk_vector(source, target, first, block_row, columns,
-                                                      bs, mine);
-                for (int k = first + 4 * DSV4_THREADS; k < width; k += 4 * DSV4_THREADS)
-                    global_topk_vector(source, target, k, block_row, columns, bs, mine);
-            } else {
-                for (int k = threadIdx.x; k < width; k += DSV4_THREADS)
-                    target[k] = global_slot(source[k], block_row, columns, bs, mine);
-            }
-            const int count = block_sum(mine, row_counts);
-            if (threadIdx.x == 0) p.lens[t] = count;
-            continue;
-        }
         i64 count = 0;           // valid entries of the earlier groups (same in every thread)
         for (i64 group = 0; group < p.width; group += kGroupSlices * DSV4_THREADS) {
             const TopkGroup g(source, group, p.width, block_row, columns, bs);
@@ -141,15 +122,74 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
     }
 }
 
+// Rows in place of their entries. A row's first vector, its request and its
+// validity are read together, before anything waits on one of them.
+template <int kWidth, typename Divisor>
+__device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
+                                                 const Divisor& bs) {
+    __shared__ int row_counts[kWarps];
+    const unsigned char* __restrict__ is_valid =
+        static_cast<const unsigned char*>(p.is_valid_token);
+    const int width = compiled_or<kWidth>(p.width);
+    const int first = 4 * (int)threadIdx.x;
+    for (i64 t = blocks.index; t < p.num_tokens; t += blocks.count) {
+        const int* source = p.topk_indices + t * p.topk_stride;
+        int* target = p.out + t * p.out_stride;
+        // A compiled-in width comes with 16-byte rows (the host picks it only then).
+        const bool vectors = kWidth != DSV4_RUN_TIME ||
+                             (((reinterpret_cast<unsigned long long>(source) |
+                                reinterpret_cast<unsigned long long>(target)) & 15ull) |
+                              (unsigned long long)(width & 3)) == 0;
+        int4 x = make_int4(-1, -1, -1, -1);
+        if (vectors && first < width) x = *reinterpret_cast<const int4*>(source + first);
+        const i64 req = p.token_to_req[t];
+        const bool usable = is_valid[t] && req >= 0 && req < p.table.rows;
+        const i64 columns = usable ? p.table.cols : 0;     // no entry of an unusable row is valid
+        const int* __restrict__ block_row =
+            p.table.entries + (usable ? req : 0) * p.table.row_stride;
+        int mine = 0;            // this thread's valid entries
+        if (vectors) {
+            if (first < width) {
+                int4 y;
+                y.x = global_slot(x.x, block_row, columns, bs, mine);
+                y.y = global_slot(x.y, block_row, columns, bs, mine);
+                y.z = global_slot(x.z, block_row, columns, bs, mine);
+                y.w = global_slot(x.w, block_row, columns, bs, mine);
+                *reinterpret_cast<int4*>(target + first) = y;
+            }
+            if (kWidth == DSV4_RUN_TIME || kWidth > 4 * DSV4_THREADS) {
+                for (int k = first + 4 * DSV4_THREADS; k < width; k += 4 * DSV4_THREADS)
+                    global_topk_vector(source, target, k, block_row, columns, bs, mine);
+            }
+        } else {
+            for (int k = threadIdx.x; k < width; k += DSV4_THREADS)
+                target[k] = global_slot(source[k], block_row, columns, bs, mine);
+        }
+        const int count = block_sum(mine, row_counts);
+        if (threadIdx.x == 0) p.lens[t] = count;
+    }
+}
+
 // kWidth and kBlockSize are K and the block size compiled in (families.TOP_K_AXIS
-// and C4A_BLOCK_AXIS), or DSV4_RUN_TIME for p's. Measured on the H200 in one
-// process at K = 512, against the run-time kernel: 1 / 64 / 512 rows 2.11 /
-// 2.24 / 3.26 us against 2.16 / 2.25 / 3.33.
+// and C4A_BLOCK_AXIS), or DSV4_RUN_TIME for p's. The compact rows are their own
+// entry point (families.GLOBAL_TOPK_COMPACT): a branch between the two, even on
+// a struct field, put the compact code first and the row's entry loads after
+// its request's. A compiled-in K also means 16-byte rows (the host picks it
+// only then), so its rows have one code path. Measured on the H200 at K = 512,
+// each run in one process with the Triton port: 1 / 64 / 512 rows 1.92 / 2.03
+// / 3.05 us against the port's 1.78 / 1.90 / 2.98; with the branch 2.14 / 2.24
+// / 3.29 against 1.66 / 1.82 / 2.84.
 template <int kWidth, int kBlockSize>
 __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
                                                              const Blocks& blocks = whole_grid()) {
     with_block_divisor<kBlockSize>((int)p.block_size,
                                    [&](auto bs) { global_topk_rows<kWidth>(p, blocks, bs); });
+}
+
+__device__ __forceinline__ void global_topk_compact_indices_and_lens(
+        const GlobalTopkParams& p, const Blocks& blocks = whole_grid()) {
+    with_block_divisor((int)p.block_size,
+                       [&](auto bs) { global_topk_compact_rows(p, blocks, bs); });
 }
 
 }  // namespace dsv4

@@ -104,7 +104,6 @@ struct GlobalTopkParams {        // compute_global_topk_indices_and_lens
     i64 width;                   // K, columns of topk_indices read and of out written
     i64 num_tokens;
     i64 block_size;              // compressed rows per cache block (64 for C4A)
-    i64 compact;                 // 1: valid entries packed to the front of the row
 };
 
 struct ShortContextParams {      // fill_short_context_topk_indices
@@ -170,6 +169,7 @@ struct C4ALayerParams {          // c4a_layer_topk: one launch per C4A layer
     GlobalTopkParams decode;     // the layer's top-k rows of the decode tokens
     CombineParams prefill;       // the layer's top-k rows of the chunk's prefill tokens
     i64 decode_blocks;           // blocks [0, decode_blocks) convert decode rows, the rest combine
+    i64 decode_compact;          // 1: the decode rows' valid entries packed to the front
 };
 
 // --- the fused step kernel (kernels/step.cu) -------------------------------------------------

@@ -72,14 +72,14 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
     } else if (block < s.indexer_prefill) {
         indexer_prefill_chunk_metadata(p.indexer_prefill, Blocks{block - s.indexer_decode,
                                                                  s.indexer_prefill - s.indexer_decode});
-    } else if (block < s.c128a_combine) {
-        combine_rows(p.c128a_combine.rows, Blocks{block - s.indexer_prefill,
-                                                  s.c128a_combine - s.indexer_prefill},
-                     [&](i64 b) { return plan_chunk(p.c128a_combine.plan, b); });
+    } else if (block < s.c128a_combine) {      // combined rows: a warp per row (step_builder.py)
+        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32, false>(
+            p.c128a_combine.rows, Blocks{block - s.indexer_prefill, s.c128a_combine - s.indexer_prefill},
+            [&](i64 b) { return plan_chunk(p.c128a_combine.plan, b); });
     } else if (block < s.swa_combine) {
-        combine_rows(p.swa_combine.rows, Blocks{block - s.c128a_combine,
-                                                s.swa_combine - s.c128a_combine},
-                     [&](i64 b) { return plan_chunk(p.swa_combine.plan, b); });
+        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32, false>(
+            p.swa_combine.rows, Blocks{block - s.c128a_combine, s.swa_combine - s.c128a_combine},
+            [&](i64 b) { return plan_chunk(p.swa_combine.plan, b); });
     } else if (block < s.short_context) {
         fill_short_context_topk_indices<PosT, 32>(p.short_context, Blocks{block - s.swa_combine,
                                                                       s.short_context - s.swa_combine});

@@ -68,14 +68,16 @@ def run_swa(kind, window, qsl, seq_lens, token_to_req, is_valid, table, block_si
 
 # --- §4 global top-k ---------------------------------------------------------------------------
 def run_global_topk(kind, topk, token_to_req, table, block_size, is_valid, compact=False,
-                    reference=True):
+                    reference=True, pad=EXTRA_COLS):
+    """``pad``: columns past the width in the rows of the input and the output
+    (a multiple of 4 keeps their rows 16-byte aligned)."""
     topk = np.asarray(topk, I32)
     rows, width = topk.shape
     inputs = (to_kind(np.array(token_to_req, I32), kind), strided(table, kind), block_size,
               to_kind(np.array(is_valid, bool), kind))
-    indices = to_kind(poisoned((rows + EXTRA_ROWS, width + EXTRA_COLS)), kind)
+    indices = to_kind(poisoned((rows + EXTRA_ROWS, width + pad)), kind)
     lens = to_kind(poisoned(rows + EXTRA_ROWS), kind)
-    source = strided(topk, kind)
+    source = strided(topk, kind, pad)
     got = d4.compute_global_topk_indices_and_lens(source, *inputs, out=(indices, lens),
                                                   compact=compact)
     assert tuple(got[0].shape) == (rows, width)

@@ -22,8 +22,11 @@ def test_kernel_compiles(family, arch):
         assert entry.encode() in cubin, f"{entry} missing from the {arch} cubin"
 
 
-def test_every_kernel_file_belongs_to_one_family():
-    assert sorted(f.file for f in families.ALL) == loader.kernel_files()
+def test_every_kernel_file_belongs_to_a_family():
+    assert sorted({f.file for f in families.ALL}) == loader.kernel_files()
+    functions = [f.function for f in families.ALL]
+    assert len(set(functions)) == len(functions)
+    assert families.GLOBAL_TOPK_COMPACT.file == families.GLOBAL_TOPK.file
 
 
 def test_entry_points_follow_the_declared_dtype_axes():
@@ -42,9 +45,15 @@ def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
     assert families.GLOBAL_TOPK.entry_points() == [
         f"global_topk_indices_and_lens_k{k}_b{b}" for k in (0, 512, 1024) for b in (0, 64)]
     assert families.SHORT_CONTEXT.entry_points() == [
-        f"fill_short_context_topk_indices_p{p}_l{lanes}" for p in (32, 64) for lanes in (32, 128)]
+        f"fill_short_context_topk_indices_p{p}_l{lanes}_k{k}_r{r}" for p in (32, 64)
+        for lanes in (32, 128) for k in (0, 512, 1024) for r in (0, 4)]
+    assert families.COMBINE.entry_points() == [
+        f"combine_topk_swa_indices_c{c}_w{w}_l{lanes}" for c in (0, 128, 640, 1152)
+        for w in (0, 128) for lanes in (32, 256)]
     assert "swa_indices_and_lens<128, 0>(p)" in families.SWA.stubs()
-    assert "fill_short_context_topk_indices<long long, 128>(p)" in families.SHORT_CONTEXT.stubs()
+    assert ("fill_short_context_topk_indices<long long, 128, 512, 4>(p)"
+            in families.SHORT_CONTEXT.stubs())
+    assert families.GLOBAL_TOPK_COMPACT.entry_points() == ["global_topk_compact_indices_and_lens"]
     assert families.SWA.compiled_in("w", 128) == 128
     assert families.SWA.compiled_in("w", 127) == loader.RUN_TIME
     assert families.GLOBAL_TOPK.compiled_in("k", 1024) == 1024

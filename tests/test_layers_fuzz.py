@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from conftest import GPU_KINDS, to_numpy
+from conftest import GPU_KINDS, to_kind, to_numpy
 from layer_runs import (run_combine, run_gather_lens, run_global_topk, run_indexer_decode,
                         run_indexer_prefill, run_short_context, run_swa)
 from test_c4a import random_global_topk_case
@@ -186,34 +186,50 @@ def test_swa_window_compiled_in_up_to_the_32_bit_span(kind, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
-    """The global top-k at K = 512 and 1024 and block size 64 (compiled in) and
-    others, the short-context rows at each lane count (four warps for rows up to
-    the SM count, a warp after): every variant the ops pick, against the CPU
-    path and the reference."""
+    """The global top-k at K = 512 and 1024 and block size 64 (compiled in, for
+    rows of 16-byte vectors) and others, compacted (their own kernel), the
+    short-context rows at each lane count (four warps for rows up to the SM
+    count, a warp after), width and ratio: every variant the ops pick, against
+    the CPU path and the reference."""
     from dsv4_cupy import device, families
     rng = np.random.default_rng(11)
     topk_seen = variants_launched(monkeypatch, families.GLOBAL_TOPK)
+    compact_seen = variants_launched(monkeypatch, families.GLOBAL_TOPK_COMPACT)
     for width in (512, 1024, 513, 4, 1):
         for rows, block_size in ((1, 64), (40, 64), (40, 3)):
-            topk = rng.integers(-1, 3000, (rows, width)).astype(I32)
-            table = rng.integers(-1, 1 << 20, (8, 40)).astype(I32)
-            reqs = rng.integers(-1, 9, rows).tolist()
-            valid = (rng.random(rows) < 0.9).tolist()
-            args = (topk, reqs, table, block_size, valid)
-            assert_same_results(run_global_topk(kind, *args, reference=rows == 1),
-                                run_global_topk("numpy", *args, reference=False))
+            for compact in (False, True):
+                topk = rng.integers(-1, 3000, (rows, width)).astype(I32)
+                table = rng.integers(-1, 1 << 20, (8, 40)).astype(I32)
+                reqs = rng.integers(-1, 9, rows).tolist()
+                valid = (rng.random(rows) < 0.9).tolist()
+                args = (topk, reqs, table, block_size, valid, compact)
+                assert_same_results(run_global_topk(kind, *args, reference=rows == 1, pad=4),
+                                    run_global_topk("numpy", *args, reference=False))
     assert set(topk_seen) == {(k, b) for k in (512, 1024, 0) for b in (64, 0)}
+    assert set(compact_seen) == {()}
+    # K = 512 in rows that are not 16-byte aligned: the run-time kernel.
+    topk_seen.clear()
+    wide = rng.integers(-1, 3000, (40, 514)).astype(I32)
+    table = rng.integers(-1, 1 << 20, (8, 40)).astype(I32)
+    reqs, valid = rng.integers(-1, 9, 40).tolist(), (rng.random(40) < 0.9).tolist()
+    got = d4.compute_global_topk_indices_and_lens(to_kind(wide, kind)[:, 1:513], to_kind(
+        np.asarray(reqs, I32), kind), to_kind(table, kind), 64, to_kind(np.asarray(valid), kind))
+    want = d4.compute_global_topk_indices_and_lens(wide[:, 1:513], np.asarray(reqs, I32), table,
+                                                   64, np.asarray(valid))
+    assert_same_results(got, want)
+    assert set(topk_seen) == {(0, 64)}
     short_seen = variants_launched(monkeypatch, families.SHORT_CONTEXT)
     sms = device.sm_count(0)
     for rows in (1, sms, sms + 1, 700):
         for top_k in (512, 1024, 100):
-            for dtype in (np.int32, np.int64):
+            for dtype, ratio in ((np.int32, 4), (np.int64, 4), (np.int64, 3)):
                 positions = rng.integers(-10, 5000, rows).tolist()
-                case = (positions, top_k, 4)
+                case = (positions, top_k, ratio)
                 got = run_short_context(kind, *case, dtype=dtype, reference=rows == 1)
                 np.testing.assert_array_equal(got, run_short_context("numpy", *case, dtype=dtype,
                                                                      reference=False))
     assert {v[1] for v in short_seen} == {32, 128}
+    assert {v[2:] for v in short_seen} == {(k, r) for k in (512, 1024, 0) for r in (4, 0)}
 
 
 @pytest.mark.gpu
@@ -234,3 +250,35 @@ def test_combine_of_many_requests_against_cpu(kind, requests):
         case = (local, qsl, seq, gather, 128, ratio, topk, 160 + max(gather) + 1, 160)
         got = run_combine(kind, *case, reference=requests <= 100)
         assert_same_results(got, run_combine("numpy", *case, reference=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("requests", [1, 3])
+def test_each_compiled_combined_width_against_cpu(kind, requests, monkeypatch):
+    """The combine's compiled-in widths and window (SWA-only rows, C = W = 128,
+    with no top-k part; the C4A rows of K = 512 and 1024) and the run-time
+    kernel, a block per row for wide rows (C128A's), for a chunk of one request
+    (no search) and of several, with padding rows and a query layout not
+    starting at 0, against the CPU path and the reference."""
+    from dsv4_cupy import families
+    seen = variants_launched(monkeypatch, families.COMBINE)
+    rng = np.random.default_rng(40 + requests)
+    query_lens = rng.integers(1, 40, requests)
+    seq = (query_lens + rng.integers(0, 3000, requests)).tolist()
+    qsl = (9 + np.concatenate([[0], np.cumsum(query_lens)])).tolist()
+    tokens = int(query_lens.sum()) + 5
+    expected = {}
+    for topk, window, ratio in ((0, 128, 0), (512, 128, 4), (1024, 128, 4), (0, 64, 1),
+                                (40, 128, 4), (8192, 128, 128)):
+        gather = [q + min(max(s - q, 0), window - 1) for q, s in zip(query_lens.tolist(), seq)]
+        n = max(seq) // max(ratio, 1)
+        local = rng.integers(-1, n + 3, (tokens, topk)).astype(I32)
+        case = (local, qsl, seq, gather, window, ratio, topk, n + max(gather), n)
+        seen.clear()
+        got = run_combine(kind, *case, reference=True)
+        assert_same_results(got, run_combine("numpy", *case, reference=False))
+        expected[(topk, window)] = set(seen)
+    assert expected == {(0, 128): {(128, 128, 32)}, (512, 128): {(640, 128, 32)},
+                        (1024, 128): {(1152, 128, 32)}, (0, 64): {(128, 0, 32)},
+                        (40, 128): {(0, 128, 32)}, (8192, 128): {(0, 128, 256)}}
