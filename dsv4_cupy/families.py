@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import params
-from .geometry import COMBINE_LANES, SHORT_CONTEXT_LANES
+from .geometry import COMBINE_LANES, SHORT_CONTEXT_LANES, SWA_LANES
 from .loader import RUN_TIME, KernelFamily
 from .spec import C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, combined_width
 
@@ -28,6 +28,8 @@ COMBINED_WIDTH_AXIS = ("c", (RUN_TIME, *(combined_width(topk, SWA_WINDOW_SIZE)
                                          for topk in (0, *INDEX_TOPKS))))
 #: The C4A layers' compress ratio.
 C4A_RATIO_AXIS = ("r", (RUN_TIME, C4A_RATIO))
+#: Threads per SWA row (geometry.swa_lanes).
+SWA_LANES_AXIS = ("l", SWA_LANES)
 #: Threads per combined row (geometry.combine_lanes).
 COMBINE_LANES_AXIS = ("l", COMBINE_LANES)
 #: Threads per row of the short-context rows (geometry.short_context_lanes).
@@ -42,7 +44,7 @@ ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 
 # --- the per-layer and indexer metadata families -------------------------------------------
 SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA,
-                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS))
+                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, SWA_LANES_AXIS))
 GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK,
                            (TOP_K_AXIS, C4A_BLOCK_AXIS))
 #: The same rows with their valid entries packed to the front (``compact=True``).

@@ -162,7 +162,10 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
 // the combined rows, whose entries branch (and may load): measured on the H200
 // at 8192 rows against the unrolled loop, C128A rows 5-7% and C4A rows 5%
 // faster, SWA-only rows 2% slower.
-enum class ColumnLoop { kUnrolled, kCompact };
+//
+// ColumnLoop::kScalar writes a column per lane at a time, no vectors: rows of
+// one column per thread (upstream's shape for SWA rows).
+enum class ColumnLoop { kUnrolled, kCompact, kScalar };
 
 template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename ValueOf>
 __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int c1, int lane,
@@ -176,7 +179,7 @@ __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int 
         __stcs(reinterpret_cast<int4*>(row + v), q);
     };
     int e = c0;
-    if ((reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
+    if (kLoop != ColumnLoop::kScalar && (reinterpret_cast<unsigned long long>(row + c0) & 15ull) == 0) {
         const int vec_end = c0 + ((c1 - c0) & ~3);
         const int first = c0 + 4 * lane;
         if constexpr (kLoop == ColumnLoop::kCompact) {

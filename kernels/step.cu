@@ -54,7 +54,7 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
         build_step<PosT, SlotT>(p.base, Blocks{block, s.base});
     } else if (block < s.swa) {
         const SlotT* __restrict__ swa_slots = static_cast<const SlotT*>(p.swa_slot_mapping);
-        swa_rows<DSV4_RUN_TIME, DSV4_RUN_TIME>(p.swa, Blocks{block - s.base, s.swa - s.base}, [&](i64 t) {
+        swa_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32>(p.swa, Blocks{block - s.base, s.swa - s.base}, [&](i64 t) {
             const bool valid = swa_slots[t] >= 0;
             if ((threadIdx.x & 31) == 0) p.is_valid_out[t] = valid;
             return SwaToken{valid, (i64)token_request(p.swa.query, t)};

@@ -4,9 +4,10 @@
 // cannot be addressed: an invalid token, a request outside the table (or
 // seq_lens) or a negative position gets an all -1 row and length 0; window
 // positions past the table row's blocks are -1 and not counted. A warp per
-// row (W = 128 is a vector per lane), and the request's layout is read from a clamped
-// request before the validity is known, so the loads of a row form a chain of
-// three (request, layout, block table), as in upstream's kernel.
+// row (W = 128 is a vector per lane), or four warps for few rows (a column
+// each), and the request's layout is read from a clamped request before the
+// validity is known, so the loads of a row form a chain of three (request,
+// layout, block table), as in upstream's kernel.
 #include "common.cuh"
 
 namespace dsv4 {
@@ -55,16 +56,20 @@ struct SwaToken {
 // Measured on the H200 in one process against the run-time kernel (w0_b0):
 // 1 / 16 / 64 decode rows 1.73 / 1.81 / 1.85 us against 1.81 / 1.88 / 1.89,
 // 8192 prefill rows 3.34 against 3.59; either value alone gained at most a
-// third of that.
-template <int kWindow, int kBlockSize, typename TokenOf>
+// third of that. kLanes threads take a row: a warp, a 16-byte vector per lane,
+// or (geometry.swa_lanes, for few rows) four warps, a column per thread as in
+// upstream's kernel.
+template <int kWindow, int kBlockSize, int kLanes, typename TokenOf>
 __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& blocks,
                                          const TokenOf& token_of) {
+    constexpr ColumnLoop kLoop = kLanes == 32 ? ColumnLoop::kUnrolled : ColumnLoop::kScalar;
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 requests = min(p.query.num_reqs, p.table.rows);
     const int window = compiled_or<kWindow>(p.window_size);
     const i64 span = p.table.cols * p.block_size;
     with_block_divisor<kBlockSize>((int)p.block_size, [&](auto bs) {
-        fill_rows(p.indices, p.indices_stride, p.lens, p.num_rows, window, blocks, [&](i64 i) {
+        fill_rows<kLoop, kLanes>(p.indices, p.indices_stride, p.lens, p.num_rows, window, blocks,
+                                 [&](i64 i) {
             SwaRow<decltype(bs)> row{nullptr, 0, 0, bs};
             const i64 t = i + p.token_offset;
             const SwaToken token = token_of(t);
@@ -89,11 +94,11 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
     });
 }
 
-template <int kWindow, int kBlockSize>
+template <int kWindow, int kBlockSize, int kLanes>
 __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
-    swa_rows<kWindow, kBlockSize>(p, whole_grid(),
+    swa_rows<kWindow, kBlockSize, kLanes>(p, whole_grid(),
                       [&](i64 t) { return SwaToken{is_valid[t] != 0, (i64)p.token_to_req[t]}; });
 }
 

@@ -40,8 +40,9 @@ def test_entry_points_follow_the_declared_dtype_axes():
 
 
 def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
-    assert families.SWA.entry_points() == [f"swa_indices_and_lens_w{w}_b{b}"
-                                           for w in (0, 128) for b in (0, 64)]
+    assert families.SWA.entry_points() == [f"swa_indices_and_lens_w{w}_b{b}_l{lanes}"
+                                           for w in (0, 128) for b in (0, 64)
+                                           for lanes in (32, 128)]
     assert families.GLOBAL_TOPK.entry_points() == [
         f"global_topk_indices_and_lens_k{k}_b{b}" for k in (0, 512, 1024) for b in (0, 64)]
     assert families.SHORT_CONTEXT.entry_points() == [
@@ -50,7 +51,7 @@ def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
     assert families.COMBINE.entry_points() == [
         f"combine_topk_swa_indices_c{c}_w{w}_l{lanes}" for c in (0, 128, 640, 1152)
         for w in (0, 128) for lanes in (32, 256)]
-    assert "swa_indices_and_lens<128, 0>(p)" in families.SWA.stubs()
+    assert "swa_indices_and_lens<128, 0, 32>(p)" in families.SWA.stubs()
     assert ("fill_short_context_topk_indices<long long, 128, 512, 4>(p)"
             in families.SHORT_CONTEXT.stubs())
     assert families.GLOBAL_TOPK_COMPACT.entry_points() == ["global_topk_compact_indices_and_lens"]

@@ -178,9 +178,35 @@ def test_swa_window_compiled_in_up_to_the_32_bit_span(kind, monkeypatch):
         case = (128, qsl, seq, list(range(len(seq))), [True] * len(seq), table, block_size)
         seen.clear()
         got = run_swa(kind, *case)
-        assert set(seen) == {(window_kernel, 0)}
+        assert set(seen) == {(window_kernel, 0, 128)}
         assert_same_results(got, run_swa("numpy", *case, reference=False))
         assert to_numpy(got[1]).max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_swa_row_lanes_against_cpu(kind, monkeypatch):
+    """The SWA rows at each lane count (four warps, a column each, for rows up
+    to the SM count; a warp of 16-byte vectors after), W and block size compiled
+    in or not, with padding tokens, bad requests, negative positions and -1
+    table entries, against the CPU path and the reference."""
+    from dsv4_cupy import device, families
+    seen = variants_launched(monkeypatch, families.SWA)
+    rng = np.random.default_rng(21)
+    sms = device.sm_count(0)
+    for rows in (1, sms, sms + 1, 700):
+        for window, block_size in ((128, 64), (128, 16), (96, 64), (300, 64)):
+            requests = int(rng.integers(1, 9))
+            reqs = rng.integers(-1, requests + 1, rows).tolist()
+            qsl = np.sort(rng.integers(0, rows + 1, requests + 1)).tolist()
+            seq = rng.integers(-3, 4000, requests).tolist()
+            valid = (rng.random(rows) < 0.9).tolist()
+            table = rng.integers(-1, 1 << 20, (requests, 70)).astype(I32)
+            case = (window, qsl, seq, reqs, valid, table, block_size)
+            got = run_swa(kind, *case, reference=rows <= sms + 1)
+            assert_same_results(got, run_swa("numpy", *case, reference=False))
+    assert {v[2] for v in seen} == {32, 128}
+    assert {v[:2] for v in seen} == {(128, 64), (128, 0), (0, 64)}
 
 
 @pytest.mark.gpu
