@@ -177,7 +177,7 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     if kind in arrays.GPU_KINDS:
         plans = ()
         if num_tokens and top_k:        # rows of no columns: nothing to write, no grid to size
-            lanes = geometry.short_context_lanes(num_tokens, device)
+            lanes = geometry.row_lanes(num_tokens, device)
             family = families.SHORT_CONTEXT
             variant = (positions_dtype, lanes, family.compiled_in("k", top_k),
                        family.compiled_in("r", compress_ratio))

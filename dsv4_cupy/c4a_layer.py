@@ -70,7 +70,7 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
                                validate)
     prefill = check_combine(topk_indices[num_decode_tokens:], query_start_loc, seq_lens,
                             gather_lens, window_size, compress_ratio, width, M, N, prefill_out,
-                            validate, lanes=geometry.WARP_LANES)   # c4a_layer.cu: a warp per row
+                            validate, lanes=geometry.WARP_LANES)   # c4a_layer.cu's rows
     if decode.kind != prefill.kind or decode.device != prefill.device:
         raise TypeError("query_start_loc: expected arrays of the kind and device of "
                         "topk_indices for both parts")

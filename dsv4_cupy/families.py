@@ -1,16 +1,17 @@
 """Every kernel family, declared once: its ``.cu`` file, templated function,
 parameter struct and variants (dtypes, widths compiled in). A file may hold
-two families' functions (the global top-k's rows and its compacted rows). Ops and the
-builder launch through these by field name; ``warmup()`` and
+two families' functions (the global top-k's rows and its compacted rows).
+Ops and the builder launch through these by field name; ``warmup()`` and
 ``python -m dsv4_cupy compile`` walk ``ALL``."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import params
-from .geometry import COMBINE_LANES, SHORT_CONTEXT_LANES, SWA_LANES
+from .geometry import COMBINE_LANES, ROW_LANES
 from .loader import RUN_TIME, KernelFamily
-from .spec import C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, combined_width
+from .spec import (C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE,
+                   combined_width)
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
 #: Axes of the families templated on the positions and slot-mapping dtypes.
@@ -28,12 +29,10 @@ COMBINED_WIDTH_AXIS = ("c", (RUN_TIME, *(combined_width(topk, SWA_WINDOW_SIZE)
                                          for topk in (0, *INDEX_TOPKS))))
 #: The C4A layers' compress ratio.
 C4A_RATIO_AXIS = ("r", (RUN_TIME, C4A_RATIO))
-#: Threads per SWA row (geometry.swa_lanes).
-SWA_LANES_AXIS = ("l", SWA_LANES)
 #: Threads per combined row (geometry.combine_lanes).
 COMBINE_LANES_AXIS = ("l", COMBINE_LANES)
-#: Threads per row of the short-context rows (geometry.short_context_lanes).
-ROW_LANES_AXIS = ("l", SHORT_CONTEXT_LANES)
+#: Threads per SWA or short-context row (geometry.row_lanes).
+ROW_LANES_AXIS = ("l", ROW_LANES)
 
 TOKEN_MAP = KernelFamily("token_map.cu", "token_to_req_indices", params.TOKEN_MAP)
 SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params.SLOT_MAPPING,
@@ -44,7 +43,7 @@ ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 
 # --- the per-layer and indexer metadata families -------------------------------------------
 SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA,
-                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, SWA_LANES_AXIS))
+                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, ROW_LANES_AXIS))
 GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK,
                            (TOP_K_AXIS, C4A_BLOCK_AXIS))
 #: The same rows with their valid entries packed to the front (``compact=True``).
@@ -62,8 +61,8 @@ INDEXER_DECODE = KernelFamily("indexer_decode.cu", "indexer_decode_metadata",
                               params.INDEXER_DECODE)
 #: The fused per-layer family: the two above for one C4A layer in one launch.
 C4A_LAYER = KernelFamily("c4a_layer.cu", "c4a_layer_topk", params.C4A_LAYER)
-ALL += (SWA, GLOBAL_TOPK, GLOBAL_TOPK_COMPACT, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
-        INDEXER_DECODE, C4A_LAYER)
+ALL += (SWA, GLOBAL_TOPK, GLOBAL_TOPK_COMPACT, SHORT_CONTEXT, COMBINE, PREFILL_GATHER,
+        INDEXER_PREFILL, INDEXER_DECODE, C4A_LAYER)
 #: The fused step kernel of both builders: every step-level output in one launch.
 STEP = KernelFamily("step.cu", "step_metadata", params.STEP, (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
 ALL += (STEP,)

@@ -32,18 +32,23 @@ def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int) -> int:
                                   lengths - num_tokens))
 
 
-#: Threads per SWA row: a warp (a 16-byte vector per lane), or for few rows
-#: W threads, a column each (upstream's shape).
-SWA_LANES = (WARP_LANES, 4 * WARP_LANES)
+#: Threads per row of the SWA and short-context rows: a warp, or for few rows four warps.
+ROW_LANES = (WARP_LANES, 4 * WARP_LANES)
 
 
-def swa_lanes(num_rows: int, device: int) -> int:
-    """Threads per SWA row: four warps, a column each (W = 128: one pass), while
-    the rows are at most one per SM, else a warp. Measured on the H200 in one
-    process, W = 128: 1 / 16 / 64 rows 1.72 / 1.81 / 1.85 us against a warp's
-    1.79 / 1.82 / 1.87 (1.85 / 1.85 / 1.91 against 1.89 / 1.92 / 1.99 in a
-    second run); at 8192 rows four warps were 60% slower."""
-    return SWA_LANES[num_rows <= sm_count(device)]
+def row_lanes(num_rows: int, device: int) -> int:
+    """Threads per SWA or short-context row: four warps while the rows are at
+    most one per SM, else a warp. Measured on the H200 in one process:
+
+    * SWA rows (W = 128; four warps write a column each, a warp a 16-byte
+      vector per lane): at 1 / 16 / 64 rows 1.72 / 1.81 / 1.85 us against a
+      warp's 1.79 / 1.82 / 1.87 (1.85 / 1.85 / 1.91 against 1.89 / 1.92 / 1.99
+      in a second run); at 8192 rows four warps were 60% slower;
+    * short-context rows (512 columns, a 16-byte store per thread): at
+      1 / 16 / 64 rows 1.40 / 1.54 / 1.62 us against a warp's 1.51 / 1.71 /
+      1.77; at 8192 rows 5.60 against 5.30.
+    """
+    return ROW_LANES[num_rows <= sm_count(device)]
 
 
 #: Threads per combined row: a warp, or a block for rows at least WIDE_ROW wide.
@@ -60,8 +65,6 @@ def combine_lanes(width: int) -> int:
     return COMBINE_LANES[width >= WIDE_ROW]
 
 
-#: Threads per row of the short-context rows: a warp, or for few rows four warps.
-SHORT_CONTEXT_LANES = (WARP_LANES, 4 * WARP_LANES)
 #: A kernel with its row width compiled in computes window positions in 32 bits,
 #: clamped at this: the host picks it only when a table row's span plus the
 #: window stays under it (the SWA rows, passed to kernels as DSV4_POSITION_LIMIT).
@@ -72,15 +75,6 @@ def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES) -> int:
     """Blocks of THREADS giving each of num_rows rows ``lanes`` threads (at least
     1 block): the row kernels (fill_rows) have no grid-stride loop."""
     return max(1, element_blocks(num_rows * lanes))
-
-
-def short_context_lanes(num_rows: int, device: int) -> int:
-    """Threads per short-context row: four warps (a 16-byte store each for 512
-    columns) while the rows are at most one per SM, else a warp. Measured on the
-    H200 in one process (512 columns): at 1 / 16 / 64 rows four warps took
-    1.40 / 1.54 / 1.62 us against a warp's 1.51 / 1.71 / 1.77; at 8192 rows 5.60
-    against 5.30."""
-    return SHORT_CONTEXT_LANES[num_rows <= sm_count(device)]
 
 
 def row_blocks(num_rows: int) -> int:

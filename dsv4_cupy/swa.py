@@ -102,7 +102,7 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
         if num_rows:
             # The compiled-in window's 32-bit positions need the table's span under the limit.
             fits = table.shape[1] * block_size + window_size <= geometry.POSITION_LIMIT
-            lanes = geometry.swa_lanes(num_rows, device)
+            lanes = geometry.row_lanes(num_rows, device)
             variant = (families.SWA.compiled_in("w", window_size) if fits else RUN_TIME,
                        families.SWA.compiled_in("b", block_size), lanes)
             plans = (families.SWA.plan(

@@ -11,7 +11,7 @@ struct ShortContextRow {
 };
 
 // kLanes threads take a row: a warp, or for few rows four warps, a 16-byte
-// store each for 512 columns (geometry.short_context_lanes says when). kTopK
+// store each for 512 columns (geometry.row_lanes says when). kTopK
 // and kRatio are top_k and the ratio compiled in (families.TOP_K_AXIS and
 // C4A_RATIO_AXIS) or DSV4_RUN_TIME: a compiled-in ratio divides by a shift
 // with no other path in the code, a compiled-in width leaves no column loop.

@@ -57,7 +57,7 @@ struct SwaToken {
 // 1 / 16 / 64 decode rows 1.73 / 1.81 / 1.85 us against 1.81 / 1.88 / 1.89,
 // 8192 prefill rows 3.34 against 3.59; either value alone gained at most a
 // third of that. kLanes threads take a row: a warp, a 16-byte vector per lane,
-// or (geometry.swa_lanes, for few rows) four warps, a column per thread as in
+// or (geometry.row_lanes, for few rows) four warps, a column per thread as in
 // upstream's kernel.
 template <int kWindow, int kBlockSize, int kLanes, typename TokenOf>
 __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& blocks,
