@@ -165,7 +165,8 @@ PREFILL_PLAN = Group("PrefillPlan", [
     ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
     ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
     ("swa_offset", Array(I32, MAX_PLAN_CHUNKS))])
-PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", COMBINE), ("plan", PREFILL_PLAN)])
+PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", COMBINE), ("lanes", I64),
+                                                  ("plan", PREFILL_PLAN)])
 #: The step kernel's sections, in grid order.
 STEP_SECTION_NAMES = ("base", "swa", "c4a_slots", "indexer_slots", "gather", "indexer_decode",
                       "indexer_prefill", "c128a_combine", "swa_combine", "short_context")

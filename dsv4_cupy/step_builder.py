@@ -700,6 +700,7 @@ class DeepseekV4StepMetadataBuilder:
         for name, plan, buffers, topk, ratio in self._combined_layer_types(step):
             rows, lens = buffers
             width, stride = combined_width(topk, W), rows.shape[1]      # contiguous rows
+            lanes = geometry.combine_lanes(width)
             chunk_rows = self._chunk_rows(step, num_decodes, plan)
             for index in range(0, len(chunk_rows), limit):
                 piece = chunk_rows[index:index + limit]
@@ -707,7 +708,7 @@ class DeepseekV4StepMetadataBuilder:
                 t0, t1 = piece[0][4], piece[-1][5]
                 pad = [0] * (limit - len(piece))
                 values = params.PREFILL_COMBINE.values(
-                    rows=params.COMBINE.values(
+                    lanes=lanes, rows=params.COMBINE.values(
                         query=_requests(ops128, a, b - a), gather_lens=0, topk_indices=0,
                         out=self._ptr[id(rows)] + 4 * t0 * stride,
                         lens=self._ptr[id(lens)] + 4 * t0, topk_stride=0, out_stride=stride,
@@ -720,7 +721,7 @@ class DeepseekV4StepMetadataBuilder:
                         swa_offset=[chunk[2] for chunk in piece] + pad))
                 if len(launches) <= index // limit:
                     launches.append({})
-                launches[index // limit][name] = (values, geometry.row_lane_blocks(t1 - t0))
+                launches[index // limit][name] = (values, geometry.row_lane_blocks(t1 - t0, lanes))
         return launches or [{}]
 
 

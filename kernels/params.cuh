@@ -197,6 +197,7 @@ struct PrefillPlan {             // a prefill chunk plan (get_prefill_chunk_plan
 
 struct PrefillCombineParams {    // combined prefill rows of a layer type, once per step
     CombineParams rows;          // the prefill requests; gather_lens null (computed)
+    i64 lanes;                   // threads per row: 32, or DSV4_THREADS (geometry.combine_lanes)
     PrefillPlan plan;            // rows_per_request and swa_offset of rows are unused
 };
 

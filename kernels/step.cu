@@ -46,6 +46,16 @@ __device__ __forceinline__ CombineChunk plan_chunk(const PrefillPlan& plan, i64 
     return CombineChunk{plan.first_request[c], plan.rows_per_request[c], plan.swa_offset[c]};
 }
 
+// A layer type's combined prefill rows: a warp per row, or a block per wide row
+// (p.lanes, geometry.combine_lanes).
+__device__ __forceinline__ void prefill_combine(const PrefillCombineParams& p, const Blocks& blocks) {
+    const auto chunk_of = [&](i64 b) { return plan_chunk(p.plan, b); };
+    if (p.lanes == DSV4_THREADS)
+        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, DSV4_THREADS, false>(p.rows, blocks, chunk_of);
+    else
+        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32, false>(p.rows, blocks, chunk_of);
+}
+
 template <typename PosT, typename SlotT>
 __device__ __forceinline__ void step_metadata(const StepParams& p) {
     const StepSections& s = p.sections;
@@ -72,14 +82,12 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
     } else if (block < s.indexer_prefill) {
         indexer_prefill_chunk_metadata(p.indexer_prefill, Blocks{block - s.indexer_decode,
                                                                  s.indexer_prefill - s.indexer_decode});
-    } else if (block < s.c128a_combine) {      // combined rows: a warp per row (step_builder.py)
-        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32, false>(
-            p.c128a_combine.rows, Blocks{block - s.indexer_prefill, s.c128a_combine - s.indexer_prefill},
-            [&](i64 b) { return plan_chunk(p.c128a_combine.plan, b); });
+    } else if (block < s.c128a_combine) {
+        prefill_combine(p.c128a_combine, Blocks{block - s.indexer_prefill,
+                                                s.c128a_combine - s.indexer_prefill});
     } else if (block < s.swa_combine) {
-        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32, false>(
-            p.swa_combine.rows, Blocks{block - s.c128a_combine, s.swa_combine - s.c128a_combine},
-            [&](i64 b) { return plan_chunk(p.swa_combine.plan, b); });
+        prefill_combine(p.swa_combine, Blocks{block - s.c128a_combine,
+                                              s.swa_combine - s.c128a_combine});
     } else if (block < s.short_context) {
         fill_short_context_topk_indices<PosT, 32>(p.short_context, Blocks{block - s.swa_combine,
                                                                       s.short_context - s.swa_combine});

@@ -20,23 +20,24 @@ I32, I64 = np.int32, np.int64
 MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
 
 
-def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", decode_len=None):
+def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", decode_len=None,
+              max_model_len=MAX_MODEL_LEN):
     """One CommonAttentionMetadata per group: shared layout, own tables and slots.
     Decodes have 1 to 1 + SPEC tokens (``decode_len`` each when given)."""
     decode_lens = (rng.integers(1, SPEC + 2, decodes) if decode_len is None
                    else [decode_len] * decodes)
     query = np.array(list(decode_lens) + list(prefill_lens), I64)
-    top = 300 if short else MAX_MODEL_LEN - int(query.max(initial=1))
+    top = 300 if short else max_model_len - int(query.max(initial=1))
     seq = query + rng.integers(0, top, len(query))
     if len(seq):
-        seq[rng.integers(len(seq))] = min(int(seq.max()), MAX_MODEL_LEN)
+        seq[rng.integers(len(seq))] = min(int(seq.max()), max_model_len)
     qsl = np.concatenate([[0], np.cumsum(query)]).astype(I32)
     tokens = int(qsl[-1]) + pad
     positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
                                [rng.integers(-5, 9, pad)]).astype(I32 if short else I64)
     groups = {}
     for group, block in (("swa", 64), ("c4a", 256), ("indexer", 256), ("c128a", 256)):
-        table = rng.integers(0, 1 << 16, (len(query), -(-MAX_MODEL_LEN // block)), dtype=I32)
+        table = rng.integers(0, 1 << 16, (len(query), -(-max_model_len // block)), dtype=I32)
         slots = rng.integers(0, 1 << 20, tokens).astype(I64)
         slots[int(qsl[-1]):] = -1
         slots[rng.random(tokens) < 0.05] = -1
@@ -74,7 +75,7 @@ def composition(cms, builder):
     qsl, seq, T = cm.query_start_loc, cm.seq_lens, cm.num_actual_tokens
     host_qsl = cm.query_start_loc_cpu
     single = d4.DeepseekV4MetadataBuilder(
-        128, MAX_MODEL_LEN, builder.max_num_batched_tokens,
+        128, builder.max_model_len, builder.max_num_batched_tokens,
         num_speculative_tokens=builder.c128a_builder.decode_threshold - 1, like=cm.seq_lens)
     c128a = single.build(0, cm)
     nr, npf = c128a.num_decodes, c128a.num_prefills
@@ -108,7 +109,8 @@ def composition(cms, builder):
             out["c128a"] = dataclasses.replace(c128a, c128a_prefill_topk_indices=None)
             for name, ratio, topk in (("c128a", 128, width), ("swa", 1, 0)):
                 plan = d4.get_prefill_chunk_plan(host_seq, queries, ratio,
-                                                 builder.prefill_chunk_size, W, MAX_MODEL_LEN,
+                                                 builder.prefill_chunk_size, W,
+                                                 builder.max_model_len,
                                                  builder.max_num_batched_tokens)
                 out[f"{name}_prefill_chunks"] = plan
                 pieces, piece_lens = [], []
@@ -184,6 +186,24 @@ def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
             assert len(launches) == 1
         assert_equal(got, composition(cms, builder))
         assert (got.c4a_short_context_topk_indices is not None) == short
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wide_combined_rows_equal_the_ops(kind):
+    """A 256K context: the C128A combined rows are at least geometry.WIDE_ROW wide,
+    so the step's section gives each row a block (a warp below that)."""
+    from dsv4_cupy import geometry
+    rng = np.random.default_rng(12)
+    max_model_len = 1 << 18
+    builder = d4.DeepseekV4StepMetadataBuilder(max_model_len, MAX_TOKENS, combined_prefill=True,
+                                               num_speculative_tokens=SPEC,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    cms = make_step(rng, 3, [40, 300, 1], pad=3, kind=kind, max_model_len=max_model_len)
+    poison(builder)
+    got = builder.build(0, cms)
+    assert geometry.combine_lanes(got.c128a_combined_indices.shape[1]) == geometry.THREADS
+    assert geometry.combine_lanes(got.swa_combined_indices.shape[1]) == geometry.WARP_LANES
+    assert_equal(got, composition(cms, builder))
 
 
 @pytest.mark.parametrize("kind", KINDS)
