@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import params
-from .geometry import COMBINE_LANES, ROW_LANES
+from .geometry import COMBINE_LANES, ROW_LANES, combine_lanes
 from .loader import RUN_TIME, KernelFamily
 from .spec import (C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE,
                    combined_width)
@@ -52,8 +52,11 @@ GLOBAL_TOPK_COMPACT = KernelFamily("global_topk.cu", "global_topk_compact_indice
 SHORT_CONTEXT = KernelFamily("short_context.cu", "fill_short_context_topk_indices",
                              params.SHORT_CONTEXT,
                              (POSITIONS_AXIS, ROW_LANES_AXIS, TOP_K_AXIS, C4A_RATIO_AXIS))
+#: A compiled-in width comes with its own lanes only (the run-time width with each).
 COMBINE = KernelFamily("combine.cu", "combine_topk_swa_indices", params.COMBINE,
-                       (COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, COMBINE_LANES_AXIS))
+                       (COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, COMBINE_LANES_AXIS),
+                       where=lambda width, window, lanes: (width == RUN_TIME
+                                                           or lanes == combine_lanes(width)))
 PREFILL_GATHER = KernelFamily("prefill_gather.cu", "prefill_gather_lens", params.PREFILL_GATHER)
 INDEXER_PREFILL = KernelFamily("indexer_prefill.cu", "indexer_prefill_chunk_metadata",
                                params.INDEXER_PREFILL)

@@ -35,7 +35,7 @@ import numpy as np
 
 from . import device as devices
 from .errors import KernelCompileError
-from .geometry import POSITION_LIMIT, THREADS, WARP_PIECE
+from .geometry import POSITION_LIMIT, THREADS, WARP_LANES, WARP_PIECE
 from .params import MAX_PLAN_CHUNKS, Params
 from .spec import PAD_SLOT_ID
 
@@ -48,7 +48,8 @@ RUN_TIME = 0
 #: The constants kernels share with Python, one definition each.
 DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID,
                     "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_WARP_PIECE": WARP_PIECE,
-                    "DSV4_RUN_TIME": RUN_TIME, "DSV4_POSITION_LIMIT": POSITION_LIMIT}
+                    "DSV4_RUN_TIME": RUN_TIME, "DSV4_POSITION_LIMIT": POSITION_LIMIT,
+                    "DSV4_WARP_LANES": WARP_LANES}
 _C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
 
@@ -69,12 +70,15 @@ class KernelFamily:
     parameter) or ints (an ``int`` parameter: a width, window or ratio compiled in, or
     ``RUN_TIME`` for the kernel that reads it from the struct). Entry points are
     ``function`` followed by ``_<letter><bits or int>`` per axis, one for each
-    combination of values.
+    combination of values that ``where`` (called with one value per axis) keeps:
+    by default every combination.
     """
 
-    def __init__(self, file: str, function: str, params: Params, axes: tuple = ()):
+    def __init__(self, file: str, function: str, params: Params, axes: tuple = (),
+                 where=None):
         self.file, self.function, self.params, self.axes = file, function, params, axes
-        self.variants = tuple(itertools.product(*(dtypes for _, dtypes in axes)))
+        self.variants = tuple(variant for variant in itertools.product(*(v for _, v in axes))
+                              if where is None or where(*variant))
         self._names = {variant: self.entry_name(variant) for variant in self.variants}
 
     def entry_name(self, variant: tuple) -> str:

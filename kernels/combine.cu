@@ -79,7 +79,7 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, const Block
                                                   : prefill_gather_len(qe - qs, seq_len, window);
         }
         const bool in_chunk = num_reqs > 0 && t < (i64)qsl[num_reqs] - base;
-        const i64 position = seq_len - (qe - qs) + (base + t - qs);
+        const i64 position = token_position(seq_len, qe, base + t);
         if constexpr (!kNoTopk)
             row.topk_len = in_chunk && p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
         const CombineChunk chunk = chunk_of(b);
@@ -96,7 +96,7 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, const Block
     });
 }
 
-template <int kWidth = DSV4_RUN_TIME, int kWindow = DSV4_RUN_TIME, int kLanes = 32>
+template <int kWidth = DSV4_RUN_TIME, int kWindow = DSV4_RUN_TIME, int kLanes = DSV4_WARP_LANES>
 __device__ __forceinline__ void combine_topk_swa_indices(const CombineParams& p,
                                                          const Blocks& blocks = whole_grid()) {
     const auto chunk_of = [&](i64) { return CombineChunk{0, p.rows_per_request, p.swa_offset}; };

@@ -11,8 +11,8 @@
 //  * no instruction that only one of sm_90 and sm_100 has: the same source
 //    serves both (warp_sum's redux, sm_80 and later, falls back to shuffles
 //    on older devices).
-// DSV4_THREADS, DSV4_PAD_SLOT_ID, DSV4_RUN_TIME and DSV4_POSITION_LIMIT come from the
-// loader (one definition each, in Python).
+// DSV4_THREADS, DSV4_WARP_LANES, DSV4_PAD_SLOT_ID, DSV4_RUN_TIME and
+// DSV4_POSITION_LIMIT come from the loader (one definition each, in Python).
 #pragma once
 #include "params.cuh"
 
@@ -50,6 +50,13 @@ __device__ __forceinline__ int token_request(const QueryLayout& q, i64 t) {
     return request_of(q.query_start_loc, q.num_reqs, t);
 }
 
+// The position of the token at flattened index t in a request whose context
+// is seq_len long and whose query ends at query_end (query_start_loc[b + 1]):
+// the context less the query's tokens from t on.
+__device__ __forceinline__ i64 token_position(i64 seq_len, i64 query_end, i64 t) {
+    return seq_len - query_end + t;
+}
+
 // Compressed-cache slot of the token at flattened index i of block-table row b,
 // or DSV4_PAD_SLOT_ID. A slot exists when pos >= 0 closes a group
 // ((pos + 1) % ratio == 0) and the compressed row is owned by this
@@ -59,7 +66,7 @@ __device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const Block
                                                const SlotGeometry& g, int b, i64 i) {
     const i64 qs = q.query_start_loc[b], qe = q.query_start_loc[b + 1];
     if (i < qs || i >= qe) return DSV4_PAD_SLOT_ID;
-    const i64 pos = (i64)q.seq_lens[b] - (qe - qs) + (i - qs);
+    const i64 pos = token_position(q.seq_lens[b], qe, i);
     if (pos < 0 || (pos + 1) % g.ratio != 0) return DSV4_PAD_SLOT_ID;
     const i64 c = pos / g.ratio;
     const i64 virtual_block = g.block_size * g.cp_world_size;
@@ -283,14 +290,14 @@ __device__ __forceinline__ Blocks whole_grid() { return Blocks{blockIdx.x, gridD
 // (indexer_decode's; fill_rows has none).
 template <int kLanes>
 struct RowLanes {
-    static_assert(kLanes % 32 == 0 && DSV4_THREADS % kLanes == 0, "whole warps, whole blocks");
+    static_assert(kLanes % DSV4_WARP_LANES == 0 && DSV4_THREADS % kLanes == 0, "whole warps, whole blocks");
     i64 first, step;
     int lane;
     __device__ __forceinline__ explicit RowLanes(const Blocks& blocks)
         : first((blocks.index * DSV4_THREADS + threadIdx.x) / kLanes),
           step((blocks.count * DSV4_THREADS) / kLanes), lane((int)(threadIdx.x % kLanes)) {}
 };
-using WarpRows = RowLanes<32>;
+using WarpRows = RowLanes<DSV4_WARP_LANES>;
 
 // Row r of a row kernel is row_at(r): `.value(e)` gives column e and
 // `.length()` the row's length. kLanes threads take a row (a warp unless the
@@ -307,7 +314,7 @@ using WarpRows = RowLanes<32>;
 //    with the unrolled column loop, hence the combine's ColumnLoop::kCompact);
 //  * the length written before the columns: SWA and SWA-only combined rows
 //    4-5% faster than after them.
-template <ColumnLoop kLoop = ColumnLoop::kUnrolled, int kLanes = 32, typename RowAt>
+template <ColumnLoop kLoop = ColumnLoop::kUnrolled, int kLanes = DSV4_WARP_LANES, typename RowAt>
 __device__ __forceinline__ void fill_rows(int* __restrict__ out, i64 out_stride,
                                           int* __restrict__ lens, i64 num_rows, int width,
                                           const Blocks& blocks, const RowAt& row_at) {
@@ -343,10 +350,10 @@ __device__ __forceinline__ int warp_sum(int v) {
 template <typename T>
 __device__ __forceinline__ T block_sum(T v, T* scratch) {
     v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    if (threadIdx.x % DSV4_WARP_LANES == 0) scratch[threadIdx.x / DSV4_WARP_LANES] = v;
     __syncthreads();
     T total = 0;
-    for (int w = 0; w < DSV4_THREADS / 32; ++w) total += scratch[w];
+    for (int w = 0; w < DSV4_THREADS / DSV4_WARP_LANES; ++w) total += scratch[w];
     __syncthreads();             // scratch is free for the next call
     return total;
 }

@@ -24,12 +24,11 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
         const int b = real ? request_of(qsl, num_reqs, t) : 0;
         const int* block_row = real ? p.table.entries + (i64)b * p.table.row_stride : nullptr;
         fill_columns(p.block_rows + t * p.block_rows_stride, c0,
-                     (int)min(p.table.cols, (i64)c0 + DSV4_WARP_PIECE), rows.lane, 32,
+                     (int)min(p.table.cols, (i64)c0 + DSV4_WARP_PIECE), rows.lane, DSV4_WARP_LANES,
                      [&](int c) { return real ? block_row[c] : 0; });
         if (c0 == 0 && rows.lane == 0) {
             if (real) {
-                const i64 qs = qsl[b];
-                const i64 length = (i64)p.query.seq_lens[b] - ((i64)qsl[b + 1] - qs) + (t - qs) + 1;
+                const i64 length = token_position(p.query.seq_lens[b], qsl[b + 1], t) + 1;
                 p.context_lens[t] = (int)((length > 0 ? length : 0) / p.ratio);
                 p.req_ids[t] = b;
             } else {

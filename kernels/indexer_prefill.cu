@@ -12,7 +12,7 @@
 namespace dsv4 {
 __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPrefillParams& p,
                                                                const Blocks& blocks = whole_grid()) {
-    __shared__ i64 scratch[DSV4_THREADS / 32];
+    __shared__ i64 scratch[DSV4_THREADS / DSV4_WARP_LANES];
     const int* __restrict__ qsl = p.query.query_start_loc;
     const int* __restrict__ seq_lens = p.query.seq_lens;
     const i64 num_reqs = p.query.num_reqs, base = qsl[0];

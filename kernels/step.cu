@@ -53,7 +53,7 @@ __device__ __forceinline__ void prefill_combine(const PrefillCombineParams& p, c
     if (p.lanes == DSV4_THREADS)
         combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, DSV4_THREADS, false>(p.rows, blocks, chunk_of);
     else
-        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32, false>(p.rows, blocks, chunk_of);
+        combine_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, DSV4_WARP_LANES, false>(p.rows, blocks, chunk_of);
 }
 
 template <typename PosT, typename SlotT>
@@ -64,9 +64,9 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
         build_step<PosT, SlotT>(p.base, Blocks{block, s.base});
     } else if (block < s.swa) {
         const SlotT* __restrict__ swa_slots = static_cast<const SlotT*>(p.swa_slot_mapping);
-        swa_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, 32>(p.swa, Blocks{block - s.base, s.swa - s.base}, [&](i64 t) {
+        swa_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, DSV4_WARP_LANES>(p.swa, Blocks{block - s.base, s.swa - s.base}, [&](i64 t) {
             const bool valid = swa_slots[t] >= 0;
-            if ((threadIdx.x & 31) == 0) p.is_valid_out[t] = valid;
+            if (threadIdx.x % DSV4_WARP_LANES == 0) p.is_valid_out[t] = valid;
             return SwaToken{valid, (i64)token_request(p.swa.query, t)};
         });
     } else if (block < s.c4a_slots) {
@@ -89,7 +89,7 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
         prefill_combine(p.swa_combine, Blocks{block - s.c128a_combine,
                                               s.swa_combine - s.c128a_combine});
     } else if (block < s.short_context) {
-        fill_short_context_topk_indices<PosT, 32>(p.short_context, Blocks{block - s.swa_combine,
+        fill_short_context_topk_indices<PosT, DSV4_WARP_LANES>(p.short_context, Blocks{block - s.swa_combine,
                                                                       s.short_context - s.swa_combine});
     }
 }

@@ -50,7 +50,7 @@ def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
         for lanes in (32, 128) for k in (0, 512, 1024) for r in (0, 4)]
     assert families.COMBINE.entry_points() == [
         f"combine_topk_swa_indices_c{c}_w{w}_l{lanes}" for c in (0, 128, 640, 1152)
-        for w in (0, 128) for lanes in (32, 256)]
+        for w in (0, 128) for lanes in ((32, 256) if c == 0 else (32,))]
     assert "swa_indices_and_lens<128, 0, 32>(p)" in families.SWA.stubs()
     assert ("fill_short_context_topk_indices<long long, 128, 512, 4>(p)"
             in families.SHORT_CONTEXT.stubs())
@@ -69,6 +69,7 @@ def test_source_inlines_includes_with_line_marks_and_shared_constants():
     opts = loader.options()
     assert any(o.startswith("-DDSV4_KERNELS_HASH=0x") for o in opts)
     assert "-DDSV4_THREADS=256" in opts and "-DDSV4_PAD_SLOT_ID=-1" in opts
+    assert "-DDSV4_WARP_LANES=32" in opts
 
 
 def test_compile_failure_names_file_arch_and_options(monkeypatch):
