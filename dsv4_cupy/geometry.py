@@ -12,7 +12,8 @@ MAX_GRID_STRIDE_BLOCKS = 1 << 20
 ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
 
 
-#: Threads of a warp: kernels with one warp per row give each row WARP_LANES threads.
+#: Threads of a warp (passed to kernels as DSV4_WARP_LANES): kernels with one warp per
+#: row give each row WARP_LANES threads.
 WARP_LANES = 32
 #: Columns a warp copies of a long row (passed to kernels as DSV4_WARP_PIECE): four
 #: 16-byte stores per lane, so a row of 4096 block ids (1M context) is copied by
@@ -63,6 +64,18 @@ def combine_lanes(width: int) -> int:
     row (94% of the write ceiling in the bench) against 63.7 with four warps
     and 69.0 with a warp; rows that read their top-k entries 138.6 against 145.0."""
     return COMBINE_LANES[width >= WIDE_ROW]
+
+
+def request_guess_shift(num_tokens: int, num_reqs: int) -> int:
+    """The SWA rows guess token t's request as ``t >> shift`` and read that
+    request's layout beside t's own request (one load level less when right):
+    ``log2(num_tokens / num_reqs)`` when the tokens are a power-of-two multiple
+    of the requests (a decode batch, MTP included, padded or not), else 0 (a
+    one-token decode's request)."""
+    if num_reqs <= 0 or num_tokens < num_reqs or num_tokens % num_reqs:
+        return 0
+    per_request = num_tokens // num_reqs
+    return per_request.bit_length() - 1 if per_request & (per_request - 1) == 0 else 0
 
 
 #: A kernel with its row width compiled in computes window positions in 32 bits,

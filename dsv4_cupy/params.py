@@ -123,7 +123,8 @@ ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 SWA = Params("SwaParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("token_to_req", PTR),
     ("is_valid_token", PTR), ("indices", PTR), ("lens", PTR), ("indices_stride", I64),
-    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64)])
+    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64),
+    ("guess_shift", I64)])
 GLOBAL_TOPK = Params("GlobalTopkParams", [
     ("table", BLOCK_TABLE), ("topk_indices", PTR), ("token_to_req", PTR),
     ("is_valid_token", PTR), ("out", PTR), ("lens", PTR), ("topk_stride", I64),

@@ -643,7 +643,8 @@ class DeepseekV4StepMetadataBuilder:
                 query=query, table=arrays.block_table_group(swa_table), token_to_req=0,
                 is_valid_token=0, indices=ptr[id(self.swa_indices_buffer)],
                 lens=ptr[id(self.swa_lens_buffer)], indices_stride=W, window_size=W,
-                block_size=self.swa_block_size, token_offset=0, num_rows=T),
+                block_size=self.swa_block_size, token_offset=0, num_rows=T,
+                guess_shift=geometry.request_guess_shift(T, cms["c128a"].num_reqs)),
                 geometry.row_lane_blocks(T))
         n = self.max_num_batched_tokens
         for group, buffer in (("c4a", self.c4a_slot_mapping_buffer),

@@ -112,7 +112,8 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
                 table=arrays.block_table_group(table), token_to_req=token_to_req.ptr,
                 is_valid_token=valid.ptr, indices=indices.ptr, lens=lens.ptr,
                 indices_stride=arrays.row_stride(indices), window_size=window_size,
-                block_size=block_size, token_offset=token_offset, num_rows=num_rows),)
+                block_size=block_size, token_offset=token_offset, num_rows=num_rows,
+                guess_shift=geometry.request_guess_shift(num_tokens, num_reqs)),)
         return _PREPARED.launch(key, plans, kind, device, results, results)
     else:
         view = arrays.kernel_view

@@ -90,6 +90,8 @@ struct SwaParams {               // compute_swa_indices_and_lens
     i64 block_size;              // SWA cache rows per block (64)
     i64 token_offset;            // row i is token i + token_offset
     i64 num_rows;
+    i64 guess_shift;             // token t's request is guessed as t >> guess_shift
+                                 // (geometry.request_guess_shift)
 };
 
 struct GlobalTopkParams {        // compute_global_topk_indices_and_lens
@@ -197,7 +199,7 @@ struct PrefillPlan {             // a prefill chunk plan (get_prefill_chunk_plan
 
 struct PrefillCombineParams {    // combined prefill rows of a layer type, once per step
     CombineParams rows;          // the prefill requests; gather_lens null (computed)
-    i64 lanes;                   // threads per row: 32, or DSV4_THREADS (geometry.combine_lanes)
+    i64 lanes;                   // threads per row: DSV4_WARP_LANES or DSV4_THREADS (geometry.combine_lanes)
     PrefillPlan plan;            // rows_per_request and swa_offset of rows are unused
 };
 

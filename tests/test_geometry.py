@@ -1,6 +1,6 @@
 """Launch geometry: the row kernels (fill_rows) have no grid-stride loop,
 so every row must get its threads (a warp, or four for few short-context rows),
-within CUDA's grid limit."""
+within CUDA's grid limit; the SWA rows' request guess."""
 from __future__ import annotations
 
 import pytest
@@ -16,3 +16,14 @@ def test_every_row_gets_its_lanes(rows, lanes):
     blocks = geometry.row_lane_blocks(rows, lanes)
     assert 1 <= blocks <= MAX_GRID_X
     assert blocks * geometry.THREADS // lanes >= rows
+
+
+@pytest.mark.parametrize("num_tokens,num_reqs,shift", [
+    (1, 1, 0), (64, 64, 0), (512, 256, 1), (1024, 256, 2), (64, 8, 3), (8192, 1, 13),
+    (12, 4, 0), (10, 3, 0), (65, 32, 0), (3, 6, 0), (0, 5, 0), (0, 0, 0), (5, 0, 0)])
+def test_request_guess_shift(num_tokens, num_reqs, shift):
+    """Token t of a batch of requests of 2^shift tokens each is in request
+    t >> shift; any other batch keeps the one-token guess (shift 0)."""
+    assert geometry.request_guess_shift(num_tokens, num_reqs) == shift
+    if shift:
+        assert all((t >> shift) == t // (num_tokens // num_reqs) for t in range(num_tokens))

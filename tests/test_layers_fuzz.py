@@ -211,6 +211,37 @@ def test_swa_row_lanes_against_cpu(kind, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
+def test_swa_rows_guessing_the_token_s_request(kind, monkeypatch):
+    """An SWA row reads a guessed request's layout (t >> guess_shift) beside
+    token t's request and reads its own request's after only when they differ:
+    queries of 1, 2, 3 and 4 tokens (guessed right for 1, 2 and 4), a token
+    offset, fewer table rows than requests (the guess clamped), bad requests
+    and padding, at each lane count, against the CPU path and the reference."""
+    from dsv4_cupy import device, families
+    seen = variants_launched(monkeypatch, families.SWA)
+    rng = np.random.default_rng(33)
+    for rows in (1, 64, device.sm_count(0) + 1):
+        for query_len, offset, missing_table_rows in ((1, 0, 0), (1, 3, 0), (1, 0, 2),
+                                                      (2, 0, 0), (2, 2, 1), (3, 5, 1),
+                                                      (4, 0, 0)):
+            tokens = offset + rows
+            requests = -(-tokens // query_len)
+            qsl = [min(r * query_len, tokens) for r in range(requests + 1)]
+            reqs = np.arange(tokens) // query_len
+            bad = rng.random(tokens) < 0.05
+            reqs[bad] = rng.choice([-1, requests, requests + 5], int(bad.sum()))
+            seq = (rng.integers(0, 4000, requests) + query_len).tolist()
+            valid = (rng.random(tokens) < 0.95).tolist()
+            table = rng.integers(-1, 1 << 20, (max(requests - missing_table_rows, 0), 70))
+            case = (128, qsl, seq, reqs.tolist(), valid, table.astype(I32), 64)
+            got = run_swa(kind, *case, token_offset=offset)
+            assert_same_results(got, run_swa("numpy", *case, token_offset=offset,
+                                             reference=False))
+    assert {v[2] for v in seen} == {32, 128}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
 def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
     """The global top-k at K = 512 and 1024 and block size 64 (compiled in, for
     rows of 16-byte vectors) and others, compacted (their own kernel), the
