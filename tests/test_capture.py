@@ -87,7 +87,11 @@ def test_cupy_graph_replays_fifty_random_steps_like_eager_builds():
             fn()
             graphs.append(stream.end_capture())
 
-    replay_steps("cupy", capture, lambda: graphs[0].launch(stream), stream.synchronize)
+    def replay():
+        cupy.cuda.Device().synchronize()     # refresh's copies (null stream) land first
+        graphs[0].launch(stream)
+
+    replay_steps("cupy", capture, replay, stream.synchronize)
 
 
 @pytest.mark.parametrize("kind", ["cupy"] + (["torch_cuda"] if HAS_TORCH else []))

@@ -108,9 +108,11 @@ def test_torch_graph_capture_replays_new_values():
 def test_cupy_graph_capture_replays_new_values():
     import cupy
     first, second = two_steps()
-    step = Step(first, "cupy")
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        # Made on the stream: a non-blocking stream is not ordered after the
+        # null stream, whose poison copies could land after the first run.
+        step = Step(first, "cupy")
         step.run()
         stream.synchronize()
         stream.begin_capture()
@@ -159,6 +161,7 @@ def test_cupy_graph_capture_of_builder():
     first, second = two_steps()
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 18, 64, num_speculative_tokens=1, like="cupy")
     cm = common_metadata(first, "cupy")
+    cupy.cuda.Device().synchronize()     # the null stream's copies land before the stream's work
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         builder.build(0, cm)

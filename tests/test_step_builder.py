@@ -294,12 +294,17 @@ def test_a_captured_step_replays_new_values_like_an_eager_build(kind):
     cms = make_step(rng, 8, [], 2, False, kind, decode_len=2)
     stream = cupy.cuda.Stream(non_blocking=True)
     if kind == "cupy":
+        cupy.cuda.Device().synchronize()     # the null stream's copies land before the stream's work
         with stream:
             captured.build(0, cms, capturing=True)
             stream.begin_capture()
             got = captured.build_for_cudagraph_capture(cms)
             graph = stream.end_capture()
-        replay = lambda: graph.launch(stream)  # noqa: E731
+
+        def replay():
+            cupy.cuda.Device().synchronize()     # the refresh's copies (null stream) land first
+            graph.launch(stream)
+
         sync = stream.synchronize
     else:
         import torch
