@@ -70,8 +70,10 @@ def request_guess_shift(num_tokens: int, num_reqs: int) -> int:
     """The SWA rows guess token t's request as ``t >> shift`` and read that
     request's layout beside t's own request (one load level less when right):
     ``log2(num_tokens / num_reqs)`` when the tokens are a power-of-two multiple
-    of the requests (a decode batch, MTP included, padded or not), else 0 (a
-    one-token decode's request)."""
+    of the requests (a decode batch of 1, 2, 4... tokens per request, MTP
+    included, and padding that pads both alike), else 0 (a one-token decode's
+    request). A wrong guess costs the row one more dependent read, nothing
+    else."""
     if num_reqs <= 0 or num_tokens < num_reqs or num_tokens % num_reqs:
         return 0
     per_request = num_tokens // num_reqs
