@@ -112,7 +112,7 @@ def check_global_topk(topk_indices, token_to_req_indices, block_table, block_siz
         width_in = (families.GLOBAL_TOPK.compiled_in("k", width)
                     if arrays.vector_rows(topk, indices) else RUN_TIME)
         variant = () if compact else (width_in, families.GLOBAL_TOPK.compiled_in("b", block_size))
-        return CheckedCall(kind, device, results, geometry.row_blocks(num_tokens), fields, None,
+        return CheckedCall(kind, device, results, geometry.block_rows(num_tokens), fields, None,
                            variant)
 
     def run_cpu():

@@ -97,6 +97,13 @@ def row_blocks(num_rows: int) -> int:
     return min(num_rows, MAX_GRID_STRIDE_BLOCKS)
 
 
+def block_rows(num_rows: int) -> int:
+    """Blocks of a kernel that gives each row a block of its own and has no
+    grid-stride loop (the global top-k rows; 0 for no rows). More rows than
+    CUDA's 2^31 - 1 blocks fail at the launch."""
+    return num_rows
+
+
 def elementwise_blocks(n: int) -> int:
     """Blocks of THREADS for a grid-stride loop over n elements."""
     return max(1, min(cdiv(n, THREADS), MAX_GRID_STRIDE_BLOCKS))

@@ -345,15 +345,22 @@ __device__ __forceinline__ int warp_sum(int v) {
 }
 
 // The sum of v (int or i64) over the block (DSV4_THREADS threads), returned to
-// every thread. `scratch` holds DSV4_THREADS / 32 values; every thread of the
-// block must call.
+// every thread, for a block that sums once: `scratch` (DSV4_THREADS / 32
+// values) is not free after. Every thread of the block must call.
 template <typename T>
-__device__ __forceinline__ T block_sum(T v, T* scratch) {
+__device__ __forceinline__ T block_sum_once(T v, T* scratch) {
     v = warp_sum(v);
     if (threadIdx.x % DSV4_WARP_LANES == 0) scratch[threadIdx.x / DSV4_WARP_LANES] = v;
     __syncthreads();
     T total = 0;
     for (int w = 0; w < DSV4_THREADS / DSV4_WARP_LANES; ++w) total += scratch[w];
-    __syncthreads();             // scratch is free for the next call
+    return total;
+}
+
+// block_sum_once for a block that sums again: `scratch` is free after.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+    const T total = block_sum_once(v, scratch);
+    __syncthreads();
     return total;
 }

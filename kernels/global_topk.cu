@@ -1,5 +1,5 @@
-// compute_global_topk_indices_and_lens: one block per token row (grid-stride);
-// global_topk_compact_indices_and_lens: the same rows with `compact`.
+// compute_global_topk_indices_and_lens: a block per token row;
+// global_topk_compact_indices_and_lens: the same rows with `compact` (grid-stride).
 // Entry x of a row becomes block_table[req][x / bs] * bs + x % bs when 0 <= x
 // and x / bs is a column of the table row, else -1 (the 0x7FC00000 NaN
 // pattern included); the length counts the valid entries. An invalid token or
@@ -154,12 +154,13 @@ __device__ __forceinline__ void global_topk_compact_rows(const GlobalTopkParams&
 
 // Rows in place of their entries. A row's first vector, its request and its
 // validity are read together, before anything waits on one of them. Measured
-// on the H200 in one process at K = 512, 1 / 16 / 64 / 512 rows: 1.72 / 1.78 /
-// 1.80 / 2.92 us against 1.82 / 1.87 / 1.92 / 2.99 with the count after the
-// table reads and the row's base folded into each entry's address (the port
-// 1.66 / 1.73 / 1.82 / 2.89). `columns` stays 64-bit: as an int it took the
-// fused C4A layer kernel from 62 to 69-73 registers, a block less per SM, and
-// its combined rows 13% slower.
+// on the H200 in one process at K = 512, 1 / 16 / 64 / 512 rows: 1.69 / 1.77 /
+// 1.87 / 2.98 us against 1.81 / 1.88 / 2.00 / 2.97 with the count after the
+// table reads, the row's base folded into each entry's address and a
+// grid-stride loop (the port 1.67 / 1.75 / 1.92 / 2.87); with the loop alone
+// 1.71 / 1.83 / 1.92 / 2.94, and the fused C4A layer kernel 1-2% slower.
+// `columns` stays 64-bit: as an int it took the fused C4A layer kernel from 62
+// to 69-73 registers, a block less per SM, and its combined rows 13% slower.
 template <int kWidth, typename Divisor>
 __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
                                                  const Divisor& bs) {
@@ -168,40 +169,40 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
         static_cast<const unsigned char*>(p.is_valid_token);
     const int width = compiled_or<kWidth>(p.width);
     const int first = 4 * (int)threadIdx.x;
-    for (i64 t = blocks.index; t < p.num_tokens; t += blocks.count) {
-        const int* source = p.topk_indices + t * p.topk_stride;
-        int* target = p.out + t * p.out_stride;
-        // A compiled-in width comes with 16-byte rows (the host picks it only then).
-        const bool vectors = kWidth != DSV4_RUN_TIME ||
-                             (((reinterpret_cast<unsigned long long>(source) |
-                                reinterpret_cast<unsigned long long>(target)) & 15ull) |
-                              (unsigned long long)(width & 3)) == 0;
-        int4 x = make_int4(-1, -1, -1, -1);
-        if (vectors && first < width) x = *reinterpret_cast<const int4*>(source + first);
-        const i64 req = p.token_to_req[t];
-        const bool usable = is_valid[t] && req >= 0 && req < p.table.rows;
-        const i64 columns = usable ? p.table.cols : 0;     // no entry of an unusable row is valid
-        const int* __restrict__ block_row =
-            opaque(p.table.entries + (usable ? req : 0) * p.table.row_stride);
-        // The first vector's table reads (x is -1, invalid, where there is none).
-        const EntryLookup<Divisor> e0(x.x, block_row, columns, bs), e1(x.y, block_row, columns, bs),
-            e2(x.z, block_row, columns, bs), e3(x.w, block_row, columns, bs);
-        int mine = e0.valid + e1.valid + e2.valid + e3.valid;  // this thread's valid entries
-        if (vectors) {
-            if (kWidth == DSV4_RUN_TIME || kWidth > 4 * DSV4_THREADS) {
-                for (int k = first + 4 * DSV4_THREADS; k < width; k += 4 * DSV4_THREADS)
-                    global_topk_vector(source, target, k, block_row, columns, bs, mine);
-            }
-        } else {
-            for (int k = threadIdx.x; k < width; k += DSV4_THREADS)
-                target[k] = global_slot(source[k], block_row, columns, bs, mine);
+    const i64 t = blocks.index;  // a block per row (geometry.block_rows): no loop to set up
+    if (t >= p.num_tokens) return;
+    const int* source = p.topk_indices + t * p.topk_stride;
+    int* target = p.out + t * p.out_stride;
+    // A compiled-in width comes with 16-byte rows (the host picks it only then).
+    const bool vectors = kWidth != DSV4_RUN_TIME ||
+                         (((reinterpret_cast<unsigned long long>(source) |
+                            reinterpret_cast<unsigned long long>(target)) & 15ull) |
+                          (unsigned long long)(width & 3)) == 0;
+    int4 x = make_int4(-1, -1, -1, -1);
+    if (vectors && first < width) x = *reinterpret_cast<const int4*>(source + first);
+    const i64 req = p.token_to_req[t];
+    const bool usable = is_valid[t] && req >= 0 && req < p.table.rows;
+    const i64 columns = usable ? p.table.cols : 0;     // no entry of an unusable row is valid
+    const int* __restrict__ block_row =
+        opaque(p.table.entries + (usable ? req : 0) * p.table.row_stride);
+    // The first vector's table reads (x is -1, invalid, where there is none).
+    const EntryLookup<Divisor> e0(x.x, block_row, columns, bs), e1(x.y, block_row, columns, bs),
+        e2(x.z, block_row, columns, bs), e3(x.w, block_row, columns, bs);
+    int mine = e0.valid + e1.valid + e2.valid + e3.valid;  // this thread's valid entries
+    if (vectors) {
+        if (kWidth == DSV4_RUN_TIME || kWidth > 4 * DSV4_THREADS) {
+            for (int k = first + 4 * DSV4_THREADS; k < width; k += 4 * DSV4_THREADS)
+                global_topk_vector(source, target, k, block_row, columns, bs, mine);
         }
-        const int count = block_sum(mine, row_counts);
-        if (threadIdx.x == 0) p.lens[t] = count;
-        if (vectors && first < width)
-            *reinterpret_cast<int4*>(target + first) =
-                make_int4(e0.slot(bs), e1.slot(bs), e2.slot(bs), e3.slot(bs));
+    } else {
+        for (int k = threadIdx.x; k < width; k += DSV4_THREADS)
+            target[k] = global_slot(source[k], block_row, columns, bs, mine);
     }
+    const int count = block_sum_once(mine, row_counts);
+    if (threadIdx.x == 0) p.lens[t] = count;
+    if (vectors && first < width)
+        *reinterpret_cast<int4*>(target + first) =
+            make_int4(e0.slot(bs), e1.slot(bs), e2.slot(bs), e3.slot(bs));
 }
 
 // kWidth and kBlockSize are K and the block size compiled in (families.TOP_K_AXIS
