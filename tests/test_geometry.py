@@ -27,3 +27,9 @@ def test_request_guess_shift(num_tokens, num_reqs, shift):
     assert geometry.request_guess_shift(num_tokens, num_reqs) == shift
     if shift:
         assert all((t >> shift) == t // (num_tokens // num_reqs) for t in range(num_tokens))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 512, 2**31 - 1])
+def test_a_block_per_row_within_the_grid(rows):
+    """The global top-k rows have no grid-stride loop: a block each, none for no rows."""
+    assert geometry.block_rows(rows) == rows <= MAX_GRID_X
