@@ -71,12 +71,15 @@ class KernelFamily:
     ``RUN_TIME`` for the kernel that reads it from the struct). Entry points are
     ``function`` followed by ``_<letter><bits or int>`` per axis, one for each
     combination of values that ``where`` (called with one value per axis) keeps:
-    by default every combination.
+    by default every combination. The int axis ``threads_axis``, when named, is
+    also the block's thread count of its kernels (else ``THREADS``).
     """
 
     def __init__(self, file: str, function: str, params: Params, axes: tuple = (),
-                 where=None):
+                 where=None, threads_axis: str | None = None):
         self.file, self.function, self.params, self.axes = file, function, params, axes
+        self._threads_at = ([letter for letter, _ in axes].index(threads_axis)
+                            if threads_axis is not None else None)
         self.variants = tuple(variant for variant in itertools.product(*(v for _, v in axes))
                               if where is None or where(*variant))
         self._names = {variant: self.entry_name(variant) for variant in self.variants}
@@ -105,9 +108,14 @@ class KernelFamily:
                          f"{{ dsv4::{self.function}{targs}(p); }}")
         return "\n".join(lines) + "\n"
 
+    def threads(self, variant: tuple = ()) -> int:
+        """Threads per block of the kernel of ``variant``."""
+        return THREADS if self._threads_at is None else variant[self._threads_at]
+
     def plan(self, device: int, blocks: int, variant: tuple = (), **fields) -> "LaunchPlan":
         """A launch with every field fixed, to run again and again (see ``LaunchPlan``)."""
-        return LaunchPlan(self, self._names[variant], device, blocks, fields)
+        return LaunchPlan(self, self._names[variant], device, blocks, fields,
+                          self.threads(variant))
 
     def __repr__(self) -> str:
         return f"KernelFamily({self.file!r}, {self.function!r})"
@@ -319,17 +327,17 @@ class LaunchPlan:
     path and makes a new plan.
     """
 
-    __slots__ = ("function", "device", "context", "context_id", "blocks", "storage",
+    __slots__ = ("function", "device", "context", "context_id", "blocks", "threads", "storage",
                  "pointers", "kernel_params", "_read_id", "_cuda", "_kernel")
 
     def __init__(self, family: KernelFamily, entry: str, device: int, blocks: int,
-                 fields: dict):
+                 fields: dict, threads: int = THREADS):
         self._cuda = devices.cupy_module().cuda
         self.storage = np.zeros(family.params.size, np.uint8)
         family.params.pack_into(self.storage, **fields)
         self.pointers = np.array([self.storage.ctypes.data], np.uint64)  # void* kernelParams[1]
         self.kernel_params = self.pointers.ctypes.data
-        self.device, self.blocks = device, blocks
+        self.device, self.blocks, self.threads = device, blocks, threads
         self._read_id = _READ_ID
         with self._cuda.Device(device):
             self.context = _context()
@@ -352,7 +360,7 @@ class LaunchPlan:
             return False
         driver = self._cuda.driver
         try:
-            driver.launchKernel(self.function, self.blocks, 1, 1, THREADS, 1, 1, 0, stream,
+            driver.launchKernel(self.function, self.blocks, 1, 1, self.threads, 1, 1, 0, stream,
                                 self.kernel_params, 0)
         except driver.CUDADriverError as error:
             if error.status not in _STALE_HANDLE_ERRORS:
