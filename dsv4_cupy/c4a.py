@@ -111,7 +111,8 @@ def check_global_topk(topk_indices, token_to_req_indices, block_table, block_siz
         # A compiled-in K also means rows of 16-byte vectors (kernels/global_topk.cu).
         width_in = (families.GLOBAL_TOPK.compiled_in("k", width)
                     if arrays.vector_rows(topk, indices) else RUN_TIME)
-        variant = () if compact else (width_in, families.GLOBAL_TOPK.compiled_in("b", block_size))
+        variant = () if compact else (width_in, families.GLOBAL_TOPK.compiled_in("b", block_size),
+                                      geometry.topk_row_threads(width_in))
         return CheckedCall(kind, device, results, geometry.block_rows(num_tokens), fields, None,
                            variant)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import params
-from .geometry import COMBINE_LANES, ROW_LANES, combine_lanes
+from .geometry import COMBINE_LANES, ROW_LANES, combine_lanes, topk_row_threads
 from .loader import RUN_TIME, KernelFamily
 from .spec import (C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE,
                    combined_width)
@@ -33,6 +33,8 @@ C4A_RATIO_AXIS = ("r", (RUN_TIME, C4A_RATIO))
 COMBINE_LANES_AXIS = ("l", COMBINE_LANES)
 #: Threads per SWA or short-context row (geometry.row_lanes).
 ROW_LANES_AXIS = ("l", ROW_LANES)
+#: Threads per global top-k row, its block (geometry.topk_row_threads).
+TOP_K_THREADS_AXIS = ("t", tuple(sorted({topk_row_threads(k) for k in TOP_K_AXIS[1]})))
 
 TOKEN_MAP = KernelFamily("token_map.cu", "token_to_req_indices", params.TOKEN_MAP)
 SLOT_MAPPING = KernelFamily("slot_mapping.cu", "compressed_slot_mapping", params.SLOT_MAPPING,
@@ -45,7 +47,10 @@ ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA,
                   (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, ROW_LANES_AXIS))
 GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK,
-                           (TOP_K_AXIS, C4A_BLOCK_AXIS))
+                           (TOP_K_AXIS, C4A_BLOCK_AXIS, TOP_K_THREADS_AXIS),
+                           where=lambda width, block_size, threads: (
+                               threads == topk_row_threads(width)),
+                           threads_axis="t")
 #: The same rows with their valid entries packed to the front (``compact=True``).
 GLOBAL_TOPK_COMPACT = KernelFamily("global_topk.cu", "global_topk_compact_indices_and_lens",
                                    params.GLOBAL_TOPK)

@@ -92,6 +92,13 @@ def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES) -> int:
     return max(1, element_blocks(num_rows * lanes))
 
 
+def topk_row_threads(width: int) -> int:
+    """Threads of a global top-k row's block: a 16-byte vector of the row each,
+    at most THREADS (K = 512: 128); THREADS for a run-time width (0). Measured
+    in kernels/global_topk.cu."""
+    return min(THREADS, width // 4) if width > 0 else THREADS
+
+
 def row_blocks(num_rows: int) -> int:
     """Blocks of a grid-stride loop giving each row a block (0 for no rows)."""
     return min(num_rows, MAX_GRID_STRIDE_BLOCKS)

@@ -344,16 +344,16 @@ __device__ __forceinline__ int warp_sum(int v) {
 #endif
 }
 
-// The sum of v (int or i64) over the block (DSV4_THREADS threads), returned to
-// every thread, for a block that sums once: `scratch` (DSV4_THREADS / 32
-// values) is not free after. Every thread of the block must call.
-template <typename T>
+// The sum of v (int or i64) over the block (kThreads threads), returned to
+// every thread, for a block that sums once: `scratch` (kThreads / 32 values)
+// is not free after. Every thread of the block must call.
+template <int kThreads = DSV4_THREADS, typename T>
 __device__ __forceinline__ T block_sum_once(T v, T* scratch) {
     v = warp_sum(v);
     if (threadIdx.x % DSV4_WARP_LANES == 0) scratch[threadIdx.x / DSV4_WARP_LANES] = v;
     __syncthreads();
     T total = 0;
-    for (int w = 0; w < DSV4_THREADS / DSV4_WARP_LANES; ++w) total += scratch[w];
+    for (int w = 0; w < kThreads / DSV4_WARP_LANES; ++w) total += scratch[w];
     return total;
 }
 

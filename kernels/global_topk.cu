@@ -9,15 +9,15 @@
 //
 // Without `compact` (the usual case) a thread converts four consecutive
 // entries at a time with 16-byte loads and stores when the rows allow (else
-// one entry at a time, DSV4_THREADS apart), and the row is counted once. A
-// thread's first four are straight-line code, their four table reads in
+// one entry at a time, a block's threads apart), and the row is counted once.
+// A thread's first four are straight-line code, their four table reads in
 // flight together while the block counts the row (validity needs no table
-// entry) and written last: a row of K = 512 is one vector for each thread of
-// the block's first half. With
-// `compact` a group of 4 * DSV4_THREADS entries at a time, entry k of a group
-// on thread k % DSV4_THREADS, is read and looked up before any is written
-// (one round of dependent loads per group, spread over the block's eight
-// warps), then packed by the group's counts.
+// entry) and written last: a row of a compiled-in K is one vector for each of
+// its block's K / 4 threads (geometry.topk_row_threads). With `compact` a
+// group of 4 * DSV4_THREADS entries at a time, entry k of a group on thread
+// k % DSV4_THREADS, is read and looked up before any is written (one round of
+// dependent loads per group, spread over the block's eight warps), then
+// packed by the group's counts.
 //
 // In place (out == topk_indices) is safe: a thread writes only entries it has
 // read, and with `compact` writes come after the group's barrier and land
@@ -158,13 +158,16 @@ __device__ __forceinline__ void global_topk_compact_rows(const GlobalTopkParams&
 // 1.87 / 2.98 us against 1.81 / 1.88 / 2.00 / 2.97 with the count after the
 // table reads, the row's base folded into each entry's address and a
 // grid-stride loop (the port 1.67 / 1.75 / 1.92 / 2.87); with the loop alone
-// 1.71 / 1.83 / 1.92 / 2.94, and the fused C4A layer kernel 1-2% slower.
+// 1.71 / 1.83 / 1.92 / 2.94, and the fused C4A layer kernel 1-2% slower. A
+// block of K / 4 threads (128) against 256, in another process: 1.79 / 1.84 /
+// 1.88 / 2.97 against 1.78 / 1.87 / 1.90 / 3.03 (the port 1.78 / 1.87 / 1.93
+// / 2.99).
 // `columns` stays 64-bit: as an int it took the fused C4A layer kernel from 62
 // to 69-73 registers, a block less per SM, and its combined rows 13% slower.
-template <int kWidth, typename Divisor>
+template <int kWidth, int kThreads, typename Divisor>
 __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
                                                  const Divisor& bs) {
-    __shared__ int row_counts[kWarps];
+    __shared__ int row_counts[kThreads / DSV4_WARP_LANES];
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
     const int width = compiled_or<kWidth>(p.width);
@@ -190,15 +193,15 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
         e2(x.z, block_row, columns, bs), e3(x.w, block_row, columns, bs);
     int mine = e0.valid + e1.valid + e2.valid + e3.valid;  // this thread's valid entries
     if (vectors) {
-        if (kWidth == DSV4_RUN_TIME || kWidth > 4 * DSV4_THREADS) {
-            for (int k = first + 4 * DSV4_THREADS; k < width; k += 4 * DSV4_THREADS)
+        if (kWidth == DSV4_RUN_TIME || kWidth > 4 * kThreads) {
+            for (int k = first + 4 * kThreads; k < width; k += 4 * kThreads)
                 global_topk_vector(source, target, k, block_row, columns, bs, mine);
         }
     } else {
-        for (int k = threadIdx.x; k < width; k += DSV4_THREADS)
+        for (int k = threadIdx.x; k < width; k += kThreads)
             target[k] = global_slot(source[k], block_row, columns, bs, mine);
     }
-    const int count = block_sum_once(mine, row_counts);
+    const int count = block_sum_once<kThreads>(mine, row_counts);
     if (threadIdx.x == 0) p.lens[t] = count;
     if (vectors && first < width)
         *reinterpret_cast<int4*>(target + first) =
@@ -214,11 +217,12 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
 // each run in one process with the Triton port: 1 / 64 / 512 rows 1.92 / 2.03
 // / 3.05 us against the port's 1.78 / 1.90 / 2.98; with the branch 2.14 / 2.24
 // / 3.29 against 1.66 / 1.82 / 2.84.
-template <int kWidth, int kBlockSize>
+template <int kWidth, int kBlockSize, int kThreads = DSV4_THREADS>
 __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
                                                              const Blocks& blocks = whole_grid()) {
-    with_block_divisor<kBlockSize>((int)p.block_size,
-                                   [&](auto bs) { global_topk_rows<kWidth>(p, blocks, bs); });
+    with_block_divisor<kBlockSize>((int)p.block_size, [&](auto bs) {
+        global_topk_rows<kWidth, kThreads>(p, blocks, bs);
+    });
 }
 
 __device__ __forceinline__ void global_topk_compact_indices_and_lens(

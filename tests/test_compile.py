@@ -44,7 +44,11 @@ def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
                                            for w in (0, 128) for b in (0, 64)
                                            for lanes in (32, 128)]
     assert families.GLOBAL_TOPK.entry_points() == [
-        f"global_topk_indices_and_lens_k{k}_b{b}" for k in (0, 512, 1024) for b in (0, 64)]
+        f"global_topk_indices_and_lens_k{k}_b{b}_t{threads}"
+        for k, threads in ((0, 256), (512, 128), (1024, 256)) for b in (0, 64)]
+    assert [families.GLOBAL_TOPK.threads(v) for v in families.GLOBAL_TOPK.variants] == [
+        256, 256, 128, 128, 256, 256]
+    assert families.SWA.threads(families.SWA.variants[0]) == 256
     assert families.SHORT_CONTEXT.entry_points() == [
         f"fill_short_context_topk_indices_p{p}_l{lanes}_k{k}_r{r}" for p in (32, 64)
         for lanes in (32, 128) for k in (0, 512, 1024) for r in (0, 4)]

@@ -33,3 +33,11 @@ def test_request_guess_shift(num_tokens, num_reqs, shift):
 def test_a_block_per_row_within_the_grid(rows):
     """The global top-k rows have no grid-stride loop: a block each, none for no rows."""
     assert geometry.block_rows(rows) == rows <= MAX_GRID_X
+
+
+@pytest.mark.parametrize("width,threads", [(0, 256), (512, 128), (1024, 256), (2048, 256)])
+def test_a_global_top_k_row_is_a_vector_per_thread(width, threads):
+    """A compiled-in K's row is one 16-byte vector per thread, whole warps, at
+    most a block of THREADS; the run-time width (0) takes THREADS."""
+    assert geometry.topk_row_threads(width) == threads
+    assert threads % geometry.WARP_LANES == 0 and threads <= geometry.THREADS

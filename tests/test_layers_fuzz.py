@@ -244,7 +244,7 @@ def test_swa_rows_guessing_the_token_s_request(kind, monkeypatch):
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
     """The global top-k at K = 512 and 1024 and block size 64 (compiled in, for
-    rows of 16-byte vectors) and others, compacted (their own kernel), the
+    rows of 16-byte vectors; blocks of 128 and 256 threads) and others, compacted (their own kernel), the
     short-context rows at each lane count (four warps for rows up to the SM
     count, a warp after), width and ratio: every variant the ops pick, against
     the CPU path and the reference."""
@@ -262,7 +262,8 @@ def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
                 args = (topk, reqs, table, block_size, valid, compact)
                 assert_same_results(run_global_topk(kind, *args, reference=rows == 1, pad=4),
                                     run_global_topk("numpy", *args, reference=False))
-    assert set(topk_seen) == {(k, b) for k in (512, 1024, 0) for b in (64, 0)}
+    assert set(topk_seen) == {(k, b, threads) for k, threads in ((512, 128), (1024, 256),
+                                                                 (0, 256)) for b in (64, 0)}
     assert set(compact_seen) == {()}
     # K = 512 in rows that are not 16-byte aligned: the run-time kernel.
     topk_seen.clear()
@@ -274,7 +275,7 @@ def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
     want = d4.compute_global_topk_indices_and_lens(wide[:, 1:513], np.asarray(reqs, I32), table,
                                                    64, np.asarray(valid))
     assert_same_results(got, want)
-    assert set(topk_seen) == {(0, 64)}
+    assert set(topk_seen) == {(0, 64, 256)}
     short_seen = variants_launched(monkeypatch, families.SHORT_CONTEXT)
     sms = device.sm_count(0)
     for rows in (1, sms, sms + 1, 700):
