@@ -244,10 +244,10 @@ def test_swa_rows_guessing_the_token_s_request(kind, monkeypatch):
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
     """The global top-k at K = 512 and 1024 and block size 64 (compiled in, for
-    rows of 16-byte vectors; blocks of 128 and 256 threads) and others, compacted (their own kernel), the
-    short-context rows at each lane count (four warps for rows up to the SM
-    count, a warp after), width and ratio: every variant the ops pick, against
-    the CPU path and the reference."""
+    rows of 16-byte vectors; blocks of 128 and 256 threads) and others,
+    compacted (their own kernel), the short-context rows at each lane count
+    (four warps for rows up to the SM count, a warp after), width and ratio:
+    every variant the ops pick, against the CPU path and the reference."""
     from dsv4_cupy import device, families
     rng = np.random.default_rng(11)
     topk_seen = variants_launched(monkeypatch, families.GLOBAL_TOPK)
