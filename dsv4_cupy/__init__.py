@@ -15,6 +15,7 @@ from .dcp import get_dcp_local_seq_lens
 from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
                      UnsupportedDeviceError)
 from .indexer import build_indexer_decode_metadata, build_indexer_prefill_chunk_metadata
+from .loader import set_programmatic_launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .prefill_plan import compute_prefill_gather_lens, get_prefill_chunk_plan
 from .slot_mapping import get_compressed_slot_mapping
@@ -41,5 +42,5 @@ __all__ = [
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "compute_prefill_gather_lens",
     "get_prefill_chunk_plan", "build_indexer_prefill_chunk_metadata",
     "build_indexer_decode_metadata", "c4a_layer_topk", "build_c128a_combined_prefill_rows",
-    "__version__",
+    "set_programmatic_launch", "__version__",
 ]

@@ -16,6 +16,19 @@
 #pragma once
 #include "params.cuh"
 
+// The first thing every entry point does. Under programmatic dependent launch
+// (sm_90 and later; the loader sets the launch attribute) a grid can start
+// while the grid before it on the stream still runs: it waits here until that
+// grid is done and its writes are visible, then lets the next grid start, so
+// the next launch overlaps this grid's work and the results do not change.
+// Launched without the attribute, both instructions return at once.
+__device__ __forceinline__ void await_earlier_grids() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ i64 clamp_i64(i64 v, i64 lo, i64 hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
