@@ -179,11 +179,12 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
         plans = ()
         if num_tokens and top_k:        # rows of no columns: nothing to write, no grid to size
             lanes = geometry.row_lanes(num_tokens, device)
+            threads = geometry.row_block_threads(lanes)
             family = families.SHORT_CONTEXT
             variant = (positions_dtype, lanes, family.compiled_in("k", top_k),
-                       family.compiled_in("r", compress_ratio))
+                       family.compiled_in("r", compress_ratio), threads)
             plans = (family.plan(
-                device, geometry.row_lane_blocks(num_tokens, lanes), variant,
+                device, geometry.row_lane_blocks(num_tokens, lanes, threads), variant,
                 positions=pos.ptr, out=rows.ptr, out_stride=arrays.row_stride(rows),
                 top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens),)
         return _SHORT_CONTEXT.launch(key, plans, kind, device, result, (result,))

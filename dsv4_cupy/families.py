@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import params
-from .geometry import COMBINE_LANES, ROW_LANES, combine_lanes, topk_row_threads
+from .geometry import (COMBINE_LANES, ROW_LANES, combine_lanes, row_block_threads,
+                       topk_row_threads)
 from .loader import RUN_TIME, KernelFamily
 from .spec import (C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE,
                    combined_width)
@@ -33,6 +34,9 @@ C4A_RATIO_AXIS = ("r", (RUN_TIME, C4A_RATIO))
 COMBINE_LANES_AXIS = ("l", COMBINE_LANES)
 #: Threads per SWA or short-context row (geometry.row_lanes).
 ROW_LANES_AXIS = ("l", ROW_LANES)
+#: Threads of an SWA or short-context block, by the lanes of its rows
+#: (geometry.row_block_threads).
+ROW_THREADS_AXIS = ("t", tuple(sorted({row_block_threads(lanes) for lanes in ROW_LANES})))
 #: Threads per global top-k row, its block (geometry.topk_row_threads).
 TOP_K_THREADS_AXIS = ("t", tuple(sorted({topk_row_threads(k) for k in TOP_K_AXIS[1]})))
 
@@ -45,7 +49,10 @@ ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
 
 # --- the per-layer and indexer metadata families -------------------------------------------
 SWA = KernelFamily("swa.cu", "swa_indices_and_lens", params.SWA,
-                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, ROW_LANES_AXIS))
+                  (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, ROW_LANES_AXIS, ROW_THREADS_AXIS),
+                  where=lambda window, block_size, lanes, threads: (
+                      threads == row_block_threads(lanes)),
+                  threads_axis="t")
 GLOBAL_TOPK = KernelFamily("global_topk.cu", "global_topk_indices_and_lens", params.GLOBAL_TOPK,
                            (TOP_K_AXIS, C4A_BLOCK_AXIS, TOP_K_THREADS_AXIS),
                            where=lambda width, block_size, threads: (
@@ -56,7 +63,11 @@ GLOBAL_TOPK_COMPACT = KernelFamily("global_topk.cu", "global_topk_compact_indice
                                    params.GLOBAL_TOPK)
 SHORT_CONTEXT = KernelFamily("short_context.cu", "fill_short_context_topk_indices",
                              params.SHORT_CONTEXT,
-                             (POSITIONS_AXIS, ROW_LANES_AXIS, TOP_K_AXIS, C4A_RATIO_AXIS))
+                             (POSITIONS_AXIS, ROW_LANES_AXIS, TOP_K_AXIS, C4A_RATIO_AXIS,
+                              ROW_THREADS_AXIS),
+                             where=lambda positions, lanes, top_k, ratio, threads: (
+                                 threads == row_block_threads(lanes)),
+                             threads_axis="t")
 #: A compiled-in width comes with its own lanes only (the run-time width with each).
 COMBINE = KernelFamily("combine.cu", "combine_topk_swa_indices", params.COMBINE,
                        (COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, COMBINE_LANES_AXIS),

@@ -86,10 +86,17 @@ def request_guess_shift(num_tokens: int, num_reqs: int) -> int:
 POSITION_LIMIT = 1 << 30
 
 
-def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES) -> int:
-    """Blocks of THREADS giving each of num_rows rows ``lanes`` threads (at least
-    1 block): the row kernels (fill_rows) have no grid-stride loop."""
-    return max(1, element_blocks(num_rows * lanes))
+def row_block_threads(lanes: int) -> int:
+    """Threads of the block of an SWA or short-context kernel whose rows take
+    ``lanes`` threads: a row of several warps has a block of its own (the
+    shape of upstream's program per row), a warp's row shares THREADS."""
+    return lanes if lanes > WARP_LANES else THREADS
+
+
+def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES, threads: int = THREADS) -> int:
+    """Blocks of ``threads`` giving each of num_rows rows ``lanes`` threads (at
+    least 1 block): the row kernels (fill_rows) have no grid-stride loop."""
+    return max(1, cdiv(num_rows * lanes, threads))
 
 
 def topk_row_threads(width: int) -> int:

@@ -103,10 +103,11 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
             # The compiled-in window's 32-bit positions need the table's span under the limit.
             fits = table.shape[1] * block_size + window_size <= geometry.POSITION_LIMIT
             lanes = geometry.row_lanes(num_rows, device)
+            threads = geometry.row_block_threads(lanes)
             variant = (families.SWA.compiled_in("w", window_size) if fits else RUN_TIME,
-                       families.SWA.compiled_in("b", block_size), lanes)
+                       families.SWA.compiled_in("b", block_size), lanes, threads)
             plans = (families.SWA.plan(
-                device, geometry.row_lane_blocks(num_rows, lanes), variant,
+                device, geometry.row_lane_blocks(num_rows, lanes, threads), variant,
                 query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
                                                  num_reqs=num_reqs),
                 table=arrays.block_table_group(table), token_to_req=token_to_req.ptr,

@@ -298,17 +298,17 @@ struct Blocks {
 };
 __device__ __forceinline__ Blocks whole_grid() { return Blocks{blockIdx.x, gridDim.x}; }
 
-// kLanes threads per row (a warp, or a multiple of one): this group's first
-// row, its lane, and the row step of a grid-stride loop over rows
-// (indexer_decode's; fill_rows has none).
-template <int kLanes>
+// kLanes threads per row (a warp, or a multiple of one) in blocks of kThreads:
+// this group's first row, its lane, and the row step of a grid-stride loop
+// over rows (indexer_decode's; fill_rows has none).
+template <int kLanes, int kThreads = DSV4_THREADS>
 struct RowLanes {
-    static_assert(kLanes % DSV4_WARP_LANES == 0 && DSV4_THREADS % kLanes == 0, "whole warps, whole blocks");
+    static_assert(kLanes % DSV4_WARP_LANES == 0 && kThreads % kLanes == 0, "whole warps, whole blocks");
     i64 first, step;
     int lane;
     __device__ __forceinline__ explicit RowLanes(const Blocks& blocks)
-        : first((blocks.index * DSV4_THREADS + threadIdx.x) / kLanes),
-          step((blocks.count * DSV4_THREADS) / kLanes), lane((int)(threadIdx.x % kLanes)) {}
+        : first((blocks.index * kThreads + threadIdx.x) / kLanes),
+          step((blocks.count * kThreads) / kLanes), lane((int)(threadIdx.x % kLanes)) {}
 };
 using WarpRows = RowLanes<DSV4_WARP_LANES>;
 
@@ -327,11 +327,12 @@ using WarpRows = RowLanes<DSV4_WARP_LANES>;
 //    with the unrolled column loop, hence the combine's ColumnLoop::kCompact);
 //  * the length written before the columns: SWA and SWA-only combined rows
 //    4-5% faster than after them.
-template <ColumnLoop kLoop = ColumnLoop::kUnrolled, int kLanes = DSV4_WARP_LANES, typename RowAt>
+template <ColumnLoop kLoop = ColumnLoop::kUnrolled, int kLanes = DSV4_WARP_LANES,
+          int kThreads = DSV4_THREADS, typename RowAt>
 __device__ __forceinline__ void fill_rows(int* __restrict__ out, i64 out_stride,
                                           int* __restrict__ lens, i64 num_rows, int width,
                                           const Blocks& blocks, const RowAt& row_at) {
-    const RowLanes<kLanes> rows(blocks);
+    const RowLanes<kLanes, kThreads> rows(blocks);
     const i64 r = rows.first;
     if (r >= num_rows) return;
     const auto row = row_at(r);

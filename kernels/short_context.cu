@@ -18,12 +18,13 @@ struct ShortContextRow {
 // Measured on the H200 at 512 columns, each run in one process with the Triton
 // port: 1 / 64 rows 1.26 / 1.49 us against the port's 1.30 / 1.42; with the
 // run-time width and ratio 1.32 / 1.52 against 1.19 / 1.31.
-template <typename PosT, int kLanes, int kTopK = DSV4_RUN_TIME, int kRatio = DSV4_RUN_TIME>
+template <typename PosT, int kLanes, int kTopK = DSV4_RUN_TIME, int kRatio = DSV4_RUN_TIME,
+          int kThreads = DSV4_THREADS>
 __device__ __forceinline__ void fill_short_context_topk_indices(const ShortContextParams& p,
                                                                 const Blocks& blocks = whole_grid()) {
     const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
     const int top_k = compiled_or<kTopK>(p.top_k);
-    fill_rows<ColumnLoop::kUnrolled, kLanes>(p.out, p.out_stride, nullptr, p.num_tokens, top_k,
+    fill_rows<ColumnLoop::kUnrolled, kLanes, kThreads>(p.out, p.out_stride, nullptr, p.num_tokens, top_k,
                                              blocks, [&](i64 t) {
         return ShortContextRow{visible_rows(positions[t], compiled_or<kRatio>(p.ratio), top_k)};
     });

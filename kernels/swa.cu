@@ -73,7 +73,7 @@ __device__ __noinline__ i64 token_position_out_of_line(const int* seq_lens, cons
 // third of that. kLanes threads take a row: a warp, a 16-byte vector per lane,
 // or (geometry.row_lanes, for few rows) four warps, a column per thread as in
 // upstream's kernel.
-template <int kWindow, int kBlockSize, int kLanes, typename TokenOf>
+template <int kWindow, int kBlockSize, int kLanes, int kThreads = DSV4_THREADS, typename TokenOf>
 __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& blocks,
                                          const TokenOf& token_of) {
     constexpr ColumnLoop kLoop =
@@ -83,7 +83,7 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
     const int window = compiled_or<kWindow>(p.window_size);
     const i64 span = p.table.cols * p.block_size;
     with_block_divisor<kBlockSize>((int)p.block_size, [&](auto bs) {
-        fill_rows<kLoop, kLanes>(p.indices, p.indices_stride, p.lens, p.num_rows, window, blocks,
+        fill_rows<kLoop, kLanes, kThreads>(p.indices, p.indices_stride, p.lens, p.num_rows, window, blocks,
                                  [&](i64 i) {
             SwaRow<decltype(bs)> row{nullptr, 0, 0, bs};
             const i64 t = i + p.token_offset;
@@ -115,11 +115,11 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
     });
 }
 
-template <int kWindow, int kBlockSize, int kLanes>
+template <int kWindow, int kBlockSize, int kLanes, int kThreads>
 __device__ __forceinline__ void swa_indices_and_lens(const SwaParams& p) {
     const unsigned char* __restrict__ is_valid =
         static_cast<const unsigned char*>(p.is_valid_token);
-    swa_rows<kWindow, kBlockSize, kLanes>(p, whole_grid(),
+    swa_rows<kWindow, kBlockSize, kLanes, kThreads>(p, whole_grid(),
                       [&](i64 t) { return SwaToken{is_valid[t] != 0, (i64)p.token_to_req[t]}; });
 }
 

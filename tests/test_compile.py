@@ -40,23 +40,24 @@ def test_entry_points_follow_the_declared_dtype_axes():
 
 
 def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
-    assert families.SWA.entry_points() == [f"swa_indices_and_lens_w{w}_b{b}_l{lanes}"
+    # Rows of four warps have a block of 128 threads each, a warp's rows share 256.
+    assert families.SWA.entry_points() == [f"swa_indices_and_lens_w{w}_b{b}_l{lanes}_t{threads}"
                                            for w in (0, 128) for b in (0, 64)
-                                           for lanes in (32, 128)]
+                                           for lanes, threads in ((32, 256), (128, 128))]
     assert families.GLOBAL_TOPK.entry_points() == [
         f"global_topk_indices_and_lens_k{k}_b{b}_t{threads}"
         for k, threads in ((0, 256), (512, 128), (1024, 256)) for b in (0, 64)]
     assert [families.GLOBAL_TOPK.threads(v) for v in families.GLOBAL_TOPK.variants] == [
         256, 256, 128, 128, 256, 256]
-    assert families.SWA.threads(families.SWA.variants[0]) == 256
+    assert [families.SWA.threads(v) for v in families.SWA.variants] == [256, 128] * 4
     assert families.SHORT_CONTEXT.entry_points() == [
-        f"fill_short_context_topk_indices_p{p}_l{lanes}_k{k}_r{r}" for p in (32, 64)
-        for lanes in (32, 128) for k in (0, 512, 1024) for r in (0, 4)]
+        f"fill_short_context_topk_indices_p{p}_l{lanes}_k{k}_r{r}_t{threads}" for p in (32, 64)
+        for lanes, threads in ((32, 256), (128, 128)) for k in (0, 512, 1024) for r in (0, 4)]
     assert families.COMBINE.entry_points() == [
         f"combine_topk_swa_indices_c{c}_w{w}_l{lanes}" for c in (0, 128, 640, 1152)
         for w in (0, 128) for lanes in ((32, 256) if c == 0 else (32,))]
-    assert "swa_indices_and_lens<128, 0, 32>(p)" in families.SWA.stubs()
-    assert ("fill_short_context_topk_indices<long long, 128, 512, 4>(p)"
+    assert "swa_indices_and_lens<128, 0, 32, 256>(p)" in families.SWA.stubs()
+    assert ("fill_short_context_topk_indices<long long, 128, 512, 4, 128>(p)"
             in families.SHORT_CONTEXT.stubs())
     assert families.GLOBAL_TOPK_COMPACT.entry_points() == ["global_topk_compact_indices_and_lens"]
     assert families.SWA.compiled_in("w", 128) == 128

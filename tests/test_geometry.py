@@ -10,12 +10,24 @@ from dsv4_cupy import geometry
 MAX_GRID_X = 2**31 - 1
 
 
-@pytest.mark.parametrize("lanes", sorted({*geometry.ROW_LANES, *geometry.COMBINE_LANES}))
+ROW_SHAPES = sorted({*((lanes, geometry.row_block_threads(lanes)) for lanes in geometry.ROW_LANES),
+                     *((lanes, geometry.THREADS) for lanes in geometry.COMBINE_LANES)})
+
+
+@pytest.mark.parametrize("lanes,threads", ROW_SHAPES)
 @pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 8 << 20, (8 << 20) + 1, 2**31 - 1])
-def test_every_row_gets_its_lanes(rows, lanes):
-    blocks = geometry.row_lane_blocks(rows, lanes)
+def test_every_row_gets_its_lanes(rows, lanes, threads):
+    blocks = geometry.row_lane_blocks(rows, lanes, threads)
     assert 1 <= blocks <= MAX_GRID_X
-    assert blocks * geometry.THREADS // lanes >= rows
+    assert blocks * threads // lanes >= rows
+    assert threads % lanes == 0         # a block holds whole rows
+
+
+@pytest.mark.parametrize("lanes,threads", [(32, 256), (128, 128)])
+def test_rows_of_several_warps_have_a_block_each(lanes, threads):
+    """An SWA or short-context row of four warps is a block of 128 threads, the
+    shape of upstream's program per row; a warp's rows share a block of THREADS."""
+    assert geometry.row_block_threads(lanes) == threads
 
 
 @pytest.mark.parametrize("num_tokens,num_reqs,shift", [

@@ -178,7 +178,7 @@ def test_swa_window_compiled_in_up_to_the_32_bit_span(kind, monkeypatch):
         case = (128, qsl, seq, list(range(len(seq))), [True] * len(seq), table, block_size)
         seen.clear()
         got = run_swa(kind, *case)
-        assert set(seen) == {(window_kernel, 0, 128)}
+        assert set(seen) == {(window_kernel, 0, 128, 128)}
         assert_same_results(got, run_swa("numpy", *case, reference=False))
         assert to_numpy(got[1]).max() > 0
 
@@ -286,8 +286,9 @@ def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
                 got = run_short_context(kind, *case, dtype=dtype, reference=rows == 1)
                 np.testing.assert_array_equal(got, run_short_context("numpy", *case, dtype=dtype,
                                                                      reference=False))
-    assert {v[1] for v in short_seen} == {32, 128}
-    assert {v[2:] for v in short_seen} == {(k, r) for k in (512, 1024, 0) for r in (4, 0)}
+    # A warp's rows share a block of 256 threads; four warps' rows have a block each.
+    assert {(v[1], v[4]) for v in short_seen} == {(32, 256), (128, 128)}
+    assert {v[2:4] for v in short_seen} == {(k, r) for k in (512, 1024, 0) for r in (4, 0)}
 
 
 @pytest.mark.gpu
