@@ -4,6 +4,9 @@ Each case times the library's op by CUDA-graph replay (and its eager host
 time) and, for SWA, global top-k, the short-context fill and the combine, a
 Triton port of upstream's kernel (``triton_ports``) on the same inputs, after
 checking that both give the same bytes. GB/s counts the bytes the op writes.
+The op is timed with programmatic dependent launch off (the default) and on
+(``set_programmatic_launch``); a graph replays 20 calls back to back, so with
+it on each call's launch overlaps the call before it.
 """
 from __future__ import annotations
 
@@ -201,6 +204,8 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
 def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: float,
                progress) -> list[dict]:
     import torch
+
+    from ..loader import set_programmatic_launch
     try:
         from . import triton_ports as ports
     except ImportError:                          # no Triton: no comparison column
@@ -211,6 +216,9 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: f
     for op, name, params in progress(layer_cases(quick)):
         ours, port, ours_out, port_out, written_mb = _prepare(op, params, torch, dev, rng, ports)
         row = {"op": op, "case": name, "MB": written_mb}
+        previous = set_programmatic_launch(True)
+        row["ours_pdl_graph_us"] = timer.graph_us(ours)
+        set_programmatic_launch(False)
         row["ours_layer_graph_us"] = timer.graph_us(ours)
         row["ours_layer_host_us"] = timer.host_us(ours)
         row["host_x_floor"] = row["ours_layer_host_us"] / launch_floor_us
@@ -223,8 +231,10 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: f
             row["triton_same_bytes"] = all(torch.equal(a, b) for a, b in zip(ours_out, port_out))
             row["triton_graph_us"] = timer.graph_us(port)
             row["x_triton"] = row["triton_graph_us"] / row["ours_layer_graph_us"]
+            row["x_triton_pdl"] = row["triton_graph_us"] / row["ours_pdl_graph_us"]
             row["triton_host_us"] = timer.host_us(port)
             row["x_triton_host"] = row["triton_host_us"] / row["ours_layer_host_us"]
+        set_programmatic_launch(previous)
         rows.append(row)
     return rows
 
@@ -249,12 +259,14 @@ def print_layer_rows(rows: list[dict]) -> None:
     if not layer:
         return
     print(f"\n{'op':15} {'case':20} {'ours graph us':>13} {'triton graph us':>15} {'x':>5} "
-          f"{'same':>5} {'ours host us':>12} {'x floor':>7} {'triton host':>11} {'x host':>6} "
-          f"{'MB':>7} {'GB/s':>6} {'%wr':>4}")
+          f"{'same':>5} {'ours pdl us':>11} {'x pdl':>5} {'ours host us':>12} {'x floor':>7} "
+          f"{'triton host':>11} {'x host':>6} {'MB':>7} {'GB/s':>6} {'%wr':>4}")
     for r in layer:
+        x_pdl = f"{r['x_triton_pdl']:5.2f}" if "x_triton_pdl" in r else f"{'-':>5}"
         triton = (f"{r['triton_graph_us']:15.2f} {r['x_triton']:5.2f} "
                   f"{str(r['triton_same_bytes']):>5}") if "triton_graph_us" in r else \
             f"{'-':>15} {'-':>5} {'-':>5}"
+        triton += f" {r['ours_pdl_graph_us']:11.2f} {x_pdl}"
         triton_host = (f"{r['triton_host_us']:11.1f} {r['x_triton_host']:6.2f}"
                        if "triton_host_us" in r else f"{'-':>11} {'-':>6}")
         print(f"{r['op']:15} {r['case']:20} {r['ours_layer_graph_us']:13.2f} {triton} "
