@@ -289,9 +289,10 @@ def set_programmatic_launch(enabled: bool) -> bool:
     It pays where the library's kernels follow one another (or other kernels
     that let dependents start early); after a kernel that does not, a launch
     costs a little more. Measured on the H200 in CUDA-graph replay, per call:
-    SWA and global top-k rows at 1-64 decode tokens 0.35-0.4 us faster in a
-    chain of the library's calls, 0.1-0.2 us slower each after a torch kernel.
-    So it is off unless the environment sets ``DSV4_CUPY_PDL=1``.
+    the SWA, global top-k and short-context rows at 1-64 decode tokens
+    0.35-0.45 us faster in a chain of the library's calls, each op 0.1-0.25 us
+    slower after a torch kernel. So it is off unless the environment sets
+    ``DSV4_CUPY_PDL=1``.
     """
     previous, _ProgrammaticLaunch.enabled = _ProgrammaticLaunch.enabled, bool(enabled)
     return previous
