@@ -113,8 +113,8 @@ def check_global_topk(topk_indices, token_to_req_indices, block_table, block_siz
                     if arrays.vector_rows(topk, indices) else RUN_TIME)
         variant = () if compact else (width_in, families.GLOBAL_TOPK.compiled_in("b", block_size),
                                       geometry.topk_row_threads(width_in))
-        return CheckedCall(kind, device, results, geometry.block_rows(num_tokens), fields, None,
-                           variant)
+        blocks = geometry.check_grid(geometry.block_rows(num_tokens), num_tokens, "topk_indices")
+        return CheckedCall(kind, device, results, blocks, fields, None, variant)
 
     def run_cpu():
         view, view_2d = arrays.kernel_view, arrays.kernel_view_2d

@@ -91,9 +91,10 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
         prefill.run_cpu()
         return results
     plans = ()
-    if decode.blocks + prefill.blocks:
+    blocks = geometry.check_grid(decode.blocks + prefill.blocks, num_tokens, "topk_indices")
+    if blocks:
         plans = (families.C4A_LAYER.plan(
-            decode.device, decode.blocks + prefill.blocks,
+            decode.device, blocks,
             decode=params.GLOBAL_TOPK.values(**decode.fields),
             prefill=params.COMBINE.values(**prefill.fields), decode_blocks=decode.blocks,
             decode_compact=int(compact)),)

@@ -8,6 +8,8 @@ from .spec import cdiv
 THREADS = 256
 #: Grid-stride kernels never ask for more blocks than this.
 MAX_GRID_STRIDE_BLOCKS = 1 << 20
+#: CUDA's largest grid (blocks in x): the bound of a kernel with no grid-stride loop.
+MAX_GRID_BLOCKS = 2**31 - 1
 #: Columns per block of a row piece: multiples of 512 keep 16-byte stores aligned.
 ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
 
@@ -113,9 +115,18 @@ def row_blocks(num_rows: int) -> int:
 
 def block_rows(num_rows: int) -> int:
     """Blocks of a kernel that gives each row a block of its own and has no
-    grid-stride loop (the global top-k rows; 0 for no rows). More rows than
-    CUDA's 2^31 - 1 blocks fail at the launch."""
+    grid-stride loop (the global top-k rows; 0 for no rows): at most
+    MAX_GRID_BLOCKS rows (``check_grid``)."""
     return num_rows
+
+
+def check_grid(blocks: int, rows: int, name: str) -> int:
+    """``blocks`` when one launch can have that many, else a ValueError about
+    the ``rows`` rows of argument ``name`` (before anything is written)."""
+    if blocks > MAX_GRID_BLOCKS:
+        raise ValueError(f"{name}: expected rows that fit one grid of at most "
+                         f"{MAX_GRID_BLOCKS} blocks, got {rows} rows ({blocks} blocks)")
+    return blocks
 
 
 def elementwise_blocks(n: int) -> int:

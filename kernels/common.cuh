@@ -21,7 +21,9 @@
 // while the grid before it on the stream still runs: it waits here until that
 // grid is done and its writes are visible, then lets the next grid start, so
 // the next launch overlaps this grid's work and the results do not change.
-// Launched without the attribute, both instructions return at once.
+// Launched without the attribute, both instructions return at once. Letting the
+// next grid start before waiting measured 0.04-0.12 us faster per call at 1-64
+// decode rows on the H200, but 0.26 us slower at 512 global top-k rows.
 __device__ __forceinline__ void await_earlier_grids() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

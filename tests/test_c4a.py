@@ -70,20 +70,57 @@ def test_random_rows_and_int32_wrap(kind):
 
 @pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.gpu
-def test_blocks_taking_several_rows_in_turn(kind, monkeypatch):
-    """A grid smaller than the rows: each block converts rows in turn, reusing
-    its shared scratch for each row's count."""
-    monkeypatch.setattr(d4.geometry, "row_blocks", lambda num_rows: min(num_rows, 3))
+def test_compact_blocks_taking_several_rows_in_turn(kind, monkeypatch):
+    """The compact rows' kernel has a grid-stride loop: on a grid smaller than
+    the rows each block converts rows in turn, reusing its shared scratch for
+    each row's count. (The other rows' kernel has a block per row, no loop.)"""
+    monkeypatch.setattr(d4.geometry, "block_rows", lambda num_rows: min(num_rows, 3))
     d4.c4a._GLOBAL_TOPK._calls.clear()         # no launch prepared under the usual grid
     rng = np.random.default_rng(12)
     try:
-        for compact in (False, True):
-            table = rng.integers(-1, 1 << 20, (5, 9)).astype(I32)
-            topk = rng.integers(-2, 64 * 10, (23, 512)).astype(I32)
-            run_global_topk(kind, topk, rng.integers(-1, 6, 23).tolist(), table, 64,
-                            (rng.random(23) < 0.9).tolist(), compact)
+        table = rng.integers(-1, 1 << 20, (5, 9)).astype(I32)
+        topk = rng.integers(-2, 64 * 10, (23, 512)).astype(I32)
+        run_global_topk(kind, topk, rng.integers(-1, 6, 23).tolist(), table, 64,
+                        (rng.random(23) < 0.9).tolist(), compact=True)
     finally:
         d4.c4a._GLOBAL_TOPK._calls.clear()
+
+
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.gpu
+def test_more_rows_than_one_grid_holds_are_refused_before_any_write(kind, monkeypatch):
+    """A block per row: rows past CUDA's grid limit (here lowered to 3 blocks)
+    are a ValueError naming topk_indices, with every output as it was, for the
+    op and for the fused C4A layer (its decode and prefill blocks together)."""
+    monkeypatch.setattr(d4.geometry, "MAX_GRID_BLOCKS", 3)
+    for prepared in (d4.c4a._GLOBAL_TOPK, d4.c4a_layer._PREPARED):
+        prepared._calls.clear()                # every call below takes its checks
+    topk = to_kind(np.zeros((4, 512), I32), kind)
+    inputs = (to_kind(np.zeros(4, I32), kind), to_kind(np.zeros((1, 8), I32), kind), 64,
+              to_kind(np.ones(4, bool), kind))
+    for compact in (False, True):
+        out = (to_kind(np.full((4, 512), POISON, I32), kind), to_kind(np.full(4, POISON, I32), kind))
+        with pytest.raises(ValueError, match=r"topk_indices: expected rows that fit one grid "
+                                             r"of at most 3 blocks, got 4 rows \(4 blocks\)"):
+            d4.compute_global_topk_indices_and_lens(topk, *inputs, out=out, compact=compact)
+        assert all((to_numpy(x) == POISON).all() for x in out)
+    # Two decode rows (2 blocks) and two prefill rows (1 block of warps): 3 blocks fit.
+    qsl, seq, gather = (to_kind(np.array(x, I32), kind) for x in ([2, 4], [300], [129]))
+    layer_out = ((to_kind(np.full((2, 512), POISON, I32), kind),
+                  to_kind(np.full(2, POISON, I32), kind)),
+                 (to_kind(np.full((2, 640), POISON, I32), kind),
+                  to_kind(np.full(2, POISON, I32), kind)))
+    d4.c4a_layer_topk(topk, 2, *inputs, qsl, seq, gather, 128, 4, 204, 75, out=layer_out)
+    assert (to_numpy(layer_out[0][1]) != POISON).all()
+    monkeypatch.setattr(d4.geometry, "MAX_GRID_BLOCKS", 2)
+    d4.c4a_layer._PREPARED._calls.clear()
+    refill = [to_kind(np.full(to_numpy(x).shape, POISON, I32), kind) for part in layer_out
+              for x in part]
+    with pytest.raises(ValueError, match=r"topk_indices: .* at most 2 blocks, got 4 rows "
+                                         r"\(3 blocks\)"):
+        d4.c4a_layer_topk(topk, 2, *inputs, qsl, seq, gather, 128, 4, 204, 75,
+                          out=((refill[0], refill[1]), (refill[2], refill[3])))
+    assert all((to_numpy(x) == POISON).all() for x in refill)
 
 
 def random_global_topk_case(rng):
