@@ -248,7 +248,7 @@ def _cu_ctx_get_id():
 
 
 @functools.lru_cache(maxsize=None)
-def _cu_launch_kernel_ex():
+def cu_launch_kernel_ex():
     """The driver's ``cuLaunchKernelEx`` (CUDA 12.0+), or None: CuPy has no
     binding for a launch with attributes."""
     return _driver_function("cuLaunchKernelEx", (ctypes.c_void_p,) * 4)
@@ -302,12 +302,12 @@ def set_programmatic_launch(enabled: bool) -> bool:
 def programmatic_launch_supported(device: int) -> bool:
     """Whether ``device`` and the driver can launch programmatically."""
     cuda = devices.cupy_module().cuda
-    return (_cu_launch_kernel_ex() is not None
+    return (cu_launch_kernel_ex() is not None
             and cuda.runtime.driverGetVersion() >= PROGRAMMATIC_LAUNCH_DRIVER
             and int(cuda.Device(device).compute_capability) >= PROGRAMMATIC_LAUNCH_CAPABILITY)
 
 
-def _launch_config(blocks: int, threads: int, stream: int) -> np.ndarray:
+def launch_config(blocks: int, threads: int, stream: int) -> np.ndarray:
     """A programmatic launch's ``CUlaunchConfig`` on ``stream``, with its attribute."""
     config = np.zeros(1, _LAUNCH_CONFIG)
     config["grid_x"], config["grid_y"], config["grid_z"] = blocks, 1, 1
@@ -375,7 +375,12 @@ def forget_context(context: tuple) -> None:
 
 
 def compile_for(family: KernelFamily, arch: str) -> bytes:
-    """A cubin of ``family`` for ``arch`` (e.g. ``"sm_100"``), no GPU needed.
+    """A cubin of ``family`` for ``arch`` (e.g. ``"sm_100"``), no GPU needed."""
+    return compile_source(source(family), family.file, arch)
+
+
+def compile_source(text: str, file: str, arch: str) -> bytes:
+    """A cubin of ``text`` (named ``kernels/<file>`` in messages) for ``arch``.
 
     Uses NVRTC through CuPy with the same options as the run-time path plus the
     ones CuPy adds itself (``-ftz=true``, ``--device-as-default-execution-space``).
@@ -385,12 +390,12 @@ def compile_for(family: KernelFamily, arch: str) -> bytes:
     devices.nvrtc_version()
     nvrtc = devices.cupy_module().cuda.nvrtc
     opts = options() + ("-ftz=true", "--device-as-default-execution-space", f"-arch={arch}")
-    program = nvrtc.createProgram(source(family), f"kernels/{family.file}", [], [])
+    program = nvrtc.createProgram(text, f"kernels/{file}", [], [])
     try:
         try:
             nvrtc.compileProgram(program, list(opts))
         except nvrtc.NVRTCError:
-            raise KernelCompileError(family.file, arch, opts,
+            raise KernelCompileError(file, arch, opts,
                                      nvrtc.getProgramLog(program)) from None
         return nvrtc.getCUBIN(program)
     finally:
@@ -452,7 +457,7 @@ class LaunchPlan:
         try:
             if self.programmatic and _ProgrammaticLaunch.enabled:
                 config = self._config(stream)   # held: another thread may drop the cache
-                status = _cu_launch_kernel_ex()(config[1], self.function, self.kernel_params,
+                status = cu_launch_kernel_ex()(config[1], self.function, self.kernel_params,
                                                 None)
                 if status != 0:
                     raise driver.CUDADriverError(status)
@@ -472,7 +477,7 @@ class LaunchPlan:
         if config is None:
             if len(self._configs) >= self.MAX_STREAMS:
                 self._configs = {}
-            array = _launch_config(self.blocks, self.threads, stream)
+            array = launch_config(self.blocks, self.threads, stream)
             config = self._configs[stream] = (array, array.ctypes.data)
         return config
 

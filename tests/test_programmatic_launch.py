@@ -23,7 +23,7 @@ REQUESTS, TOKENS, WINDOW, BLOCK, TABLE_COLS, TOP_K = 12, 40, 128, 64, 300, 512
 def test_launch_config_has_cuda_h_layout():
     """CUlaunchConfig (56 bytes) then the CUlaunchAttribute it points at: id 6
     (programmatic stream serialization) and the value 1, 8 bytes after the id."""
-    config = loader._launch_config(blocks=7, threads=128, stream=0x1234)
+    config = loader.launch_config(blocks=7, threads=128, stream=0x1234)
     words = config.view(np.uint32)
     assert config.nbytes == 56 + 72
     assert list(words[:7]) == [7, 1, 1, 128, 1, 1, 0]
@@ -104,13 +104,13 @@ def assert_chain(outputs, step):
 def programmatic(monkeypatch):
     """PDL on, launches through cuLaunchKernelEx counted."""
     assert loader.programmatic_launch_supported(0), "the H200 and driver 12.3+ have it"
-    launch = loader._cu_launch_kernel_ex()
+    launch = loader.cu_launch_kernel_ex()
     counted = []
 
     def counting(*args):
         counted.append(args[1])
         return launch(*args)
-    monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: counting)
+    monkeypatch.setattr(loader, "cu_launch_kernel_ex", lambda: counting)
     previous = d4.set_programmatic_launch(True)
     yield counted
     d4.set_programmatic_launch(previous)
