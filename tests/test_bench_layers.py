@@ -40,3 +40,52 @@ def test_every_layer_case_prepares_and_runs_on_small_shapes(monkeypatch):
             ours()
             assert port is None and written_mb > 0
             assert any((out != -1).any() for out in ours_out), (op, params)   # it wrote
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_the_load_chain_kernel_compiles(arch):
+    from dsv4_cupy import loader
+    from dsv4_cupy.bench import latency
+    pytest.importorskip("cupy")
+    cubin = loader.compile_source(latency.source(), "common.cuh", arch)
+    assert cubin[:4] == b"\x7fELF" and b"dependent_loads" in cubin
+
+
+def test_the_decode_cases_are_set_against_a_chain_of_their_rounds():
+    from dsv4_cupy.bench import latency
+    bounded = [(op, name) for op, name, params in layers.layer_cases(False)
+               if (latency.decode_tokens(op, params) or 1 << 30) <= latency.DECODE_TOKENS]
+    assert bounded == [("swa", f"decode {n}x1") for n in (1, 16, 64)] + [
+        ("global_topk", f"decode {n} K=512") for n in (1, 16, 64)] + [("short_fill", "64 x 512")]
+    floors = {"plain": [0.9, 1.2, 1.5, 1.8], "programmatic": [1.0, 1.1, 1.3, 1.7]}
+    assert latency.least_launch_us(floors, 2) == 1.3 and latency.least_launch_us(floors, 0) == 0.9
+
+
+def test_the_bound_table_says_whether_2x_is_possible(capsys):
+    base = {"MB": 0.1, "ours_layer_host_us": 10.0, "host_x_floor": 3.0, "ours_layer_GBps": 1.0,
+            "write_ceiling_pct": 0.0, "triton_same_bytes": True, "x_triton": 1.0,
+            "x_triton_pdl": 1.3, "triton_host_us": 20.0, "x_triton_host": 2.0,
+            "dependent_loads": 2}
+    rows = [dict(base, op="swa", case="decode 1x1", ours_layer_graph_us=1.6, ours_pdl_graph_us=1.2,
+                 triton_graph_us=1.6, least_launch_us=1.1),
+            dict(base, op="global_topk", case="decode 1 K=512", ours_layer_graph_us=1.6,
+                 ours_pdl_graph_us=1.2, triton_graph_us=2.4, least_launch_us=1.1)]
+    layers.print_layer_rows(rows)
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index(next(l for l in lines if l.startswith("2x the port"))) + 2:][:2]
+    assert table[0].split()[-5:] == ["0.80", "2", "1.10", "1.20", "no"]
+    assert table[1].split()[-5:] == ["1.20", "2", "1.10", "1.20", "yes"]
+
+
+@pytest.mark.gpu
+def test_the_load_chain_runs_each_way_it_can_be_launched():
+    torch = pytest.importorskip("torch")
+    from dsv4_cupy import loader
+    from dsv4_cupy.bench import latency
+    from dsv4_cupy.bench.cli import GpuTimer
+    floors = latency.dependent_load_floors(torch, GpuTimer(torch), rounds=1)
+    modes = {"plain"} | ({"programmatic"} if loader.programmatic_launch_supported(
+        torch.cuda.current_device()) else set())
+    assert set(floors) == modes
+    for per_load in floors.values():
+        assert len(per_load) == latency.MAX_LOADS + 1 and all(us > 0 for us in per_load)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from . import latency
 from .host_cost import host_rows, print_host_rows
 from .layers import print_layer_rows
 from .step import print_step_rows
@@ -142,7 +143,8 @@ class GpuTimer:
 
 
 def ceilings(torch, timer: GpuTimer) -> dict:
-    """Write and copy bandwidth (GB/s) and the empty-launch floor (us), measured here."""
+    """Write and copy bandwidth (GB/s), the empty-launch floor (us) and the
+    floors of launches that chase dependent loads (``latency``), measured here."""
     import cupy
 
     from .. import arrays
@@ -158,7 +160,8 @@ def ceilings(torch, timer: GpuTimer) -> dict:
         cupy.cuda.driver.launchKernel(empty.ptr, 1, 1, 1, 32, 1, 1, 0, stream(), 0, 0)
     floor_us = timer.graph_us(launch_empty)
     return {"write_GBps": 4 * n / write_us / 1e3, "copy_GBps": 2 * 4 * n / copy_us / 1e3,
-            "empty_launch_us": floor_us}
+            "empty_launch_us": floor_us,
+            "dependent_loads_us": latency.dependent_load_floors(torch, timer)}
 
 
 def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
@@ -228,7 +231,7 @@ def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
     rows += step_rows(timer, torch, make_step, MAX_MODEL_LEN, STEP_MAX_TOKENS,
                       host_meta["launch_floor_us"])
     from .layers import layer_rows
-    rows += layer_rows(quick, timer, ceil["write_GBps"], host_meta["launch_floor_us"],
+    rows += layer_rows(quick, timer, ceil, host_meta["launch_floor_us"],
                        lambda items: _progress(items, progress, "layer cases"))
     meta = {"ceilings": ceil, "host": host_meta, "vllm": vllm_note, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name()}
@@ -278,6 +281,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
         c = meta["ceilings"]
         print(f"\n{meta['gpu']}: write {c['write_GBps']:.0f} GB/s, copy {c['copy_GBps']:.0f} GB/s, "
               f"empty launch {c['empty_launch_us']:.2f} us; {meta['vllm']}")
+        for mode, per_load in c.get("dependent_loads_us", {}).items():
+            print(f"one launch, {mode}: " + ", ".join(
+                f"{loads} dependent loads {us:.2f} us" for loads, us in enumerate(per_load)))
         print(f"{'op':6} {'case':16} {'T':>6} {'ours graph':>10} {'ours ev':>8} {'torch graph':>11} "
               f"{'x gpu':>6} {'ours host':>9} {'torch host':>10} {'x host':>6} {'GB/s':>6} {'%wr':>4}")
         for r in rows:

@@ -6,12 +6,15 @@ Triton port of upstream's kernel (``triton_ports``) on the same inputs, after
 checking that both give the same bytes. GB/s counts the bytes the op writes.
 The op is timed with programmatic dependent launch off (the default) and on
 (``set_programmatic_launch``); a graph replays 20 calls back to back, so with
-it on each call's launch overlaps the call before it.
+it on each call's launch overlaps the call before it. At 1-64 decode tokens
+each such case is also set against the least time one launch with the op's
+rounds of dependent loads takes on this GPU (``latency``).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from . import latency
 from ..spec import C4A_BLOCK_SIZE as C4A_BLOCK
 from ..spec import C4A_RATIO, INDEX_TOPKS
 from ..spec import SWA_BLOCK_SIZE as SWA_BLOCK
@@ -201,8 +204,10 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
     raise ValueError(f"unknown op {op!r}")
 
 
-def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: float,
+def layer_rows(quick: bool, timer, ceilings: dict, launch_floor_us: float,
                progress) -> list[dict]:
+    """A row per case; ``ceilings`` is ``cli.ceilings``'s (write bandwidth and
+    the floors of one launch, against which the decode cases are set)."""
     import torch
 
     from ..loader import set_programmatic_launch
@@ -223,7 +228,7 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: f
         row["ours_layer_host_us"] = timer.host_us(ours)
         row["host_x_floor"] = row["ours_layer_host_us"] / launch_floor_us
         row["ours_layer_GBps"] = written_mb / row["ours_layer_graph_us"] * 1e3
-        row["write_ceiling_pct"] = 100 * row["ours_layer_GBps"] / write_ceiling_gbps
+        row["write_ceiling_pct"] = 100 * row["ours_layer_GBps"] / ceilings["write_GBps"]
         if port is not None:
             ours()
             port()
@@ -234,6 +239,11 @@ def layer_rows(quick: bool, timer, write_ceiling_gbps: float, launch_floor_us: f
             row["x_triton_pdl"] = row["triton_graph_us"] / row["ours_pdl_graph_us"]
             row["triton_host_us"] = timer.host_us(port)
             row["x_triton_host"] = row["triton_host_us"] / row["ours_layer_host_us"]
+            tokens = latency.decode_tokens(op, params)
+            if tokens is not None and tokens <= latency.DECODE_TOKENS:
+                row["dependent_loads"] = loads = latency.DEPENDENT_LOADS[op]
+                row["least_launch_us"] = latency.least_launch_us(
+                    ceilings["dependent_loads_us"], loads)
         set_programmatic_launch(previous)
         rows.append(row)
     return rows
@@ -272,6 +282,19 @@ def print_layer_rows(rows: list[dict]) -> None:
         print(f"{r['op']:15} {r['case']:20} {r['ours_layer_graph_us']:13.2f} {triton} "
               f"{r['ours_layer_host_us']:12.1f} {r['host_x_floor']:7.2f} {triton_host} "
               f"{r['MB']:7.2f} {r['ours_layer_GBps']:6.0f} {r['write_ceiling_pct']:4.0f}")
+    bounded = [r for r in layer if "least_launch_us" in r]
+    if bounded:
+        print(f"\n2x the port at 1-{latency.DECODE_TOKENS} decode tokens against the least time "
+              "one launch takes (a kernel that only follows the op's rounds of dependent loads, "
+              "then stores; plain or PDL, the lesser; ours likewise):")
+        print(f"{'op':15} {'case':20} {'port / 2 us':>11} {'rounds':>6} {'least us':>8} "
+              f"{'ours us':>7} {'2x possible':>11}")
+        for r in bounded:
+            half = r["triton_graph_us"] / 2
+            ours = min(r["ours_layer_graph_us"], r["ours_pdl_graph_us"])
+            print(f"{r['op']:15} {r['case']:20} {half:11.2f} {r['dependent_loads']:6d} "
+                  f"{r['least_launch_us']:8.2f} {ours:7.2f} "
+                  f"{'yes' if half >= r['least_launch_us'] else 'no':>11}")
     step = combined_rows_per_step()
     print(f"\ncombined prefill rows per step, {step['tokens']} prefill tokens, 1M context, "
           f"{step['c128a_layers']} C128A + {step['swa_only_layers']} SWA-only layers: upstream "
