@@ -57,8 +57,10 @@ def dependent_load_floors(torch, timer, rounds: int = 3) -> dict:
     import cupy
 
     device = torch.cuda.current_device()
-    function = cupy.RawModule(code=source(), options=loader.options()).get_function(
-        "dependent_loads").kernel.ptr
+    # The Function object holds its module loaded while this runs.
+    kernel = cupy.RawModule(code=source(), options=loader.options()).get_function(
+        "dependent_loads").kernel
+    function = kernel.ptr
     lines = torch.zeros(MAX_LOADS * _LANES, dtype=torch.int32, device="cuda")
     lines[::_LANES] = torch.arange(1, MAX_LOADS + 1, dtype=torch.int32, device="cuda") * _LANES
     out = torch.zeros(_LANES, dtype=torch.int32, device="cuda")
