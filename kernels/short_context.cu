@@ -24,8 +24,8 @@ __device__ __forceinline__ void fill_short_context_topk_indices(const ShortConte
                                                                 const Blocks& blocks = whole_grid()) {
     const PosT* __restrict__ positions = static_cast<const PosT*>(p.positions);
     const int top_k = compiled_or<kTopK>(p.top_k);
-    fill_rows<ColumnLoop::kUnrolled, kLanes, kThreads>(p.out, p.out_stride, nullptr, p.num_tokens, top_k,
-                                             blocks, [&](i64 t) {
+    fill_rows<ColumnLoop::kUnrolled, kLanes, kThreads>(p.out, p.out_stride, nullptr, p.num_tokens,
+                                                       top_k, blocks, [&](i64 t) {
         return ShortContextRow{visible_rows(positions[t], compiled_or<kRatio>(p.ratio), top_k)};
     });
 }

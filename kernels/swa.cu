@@ -83,8 +83,8 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
     const int window = compiled_or<kWindow>(p.window_size);
     const i64 span = p.table.cols * p.block_size;
     with_block_divisor<kBlockSize>((int)p.block_size, [&](auto bs) {
-        fill_rows<kLoop, kLanes, kThreads>(p.indices, p.indices_stride, p.lens, p.num_rows, window, blocks,
-                                 [&](i64 i) {
+        fill_rows<kLoop, kLanes, kThreads>(p.indices, p.indices_stride, p.lens, p.num_rows,
+                                           window, blocks, [&](i64 i) {
             SwaRow<decltype(bs)> row{nullptr, 0, 0, bs};
             const i64 t = i + p.token_offset;
             if (requests <= 0) return row;
