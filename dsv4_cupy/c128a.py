@@ -1,19 +1,21 @@
 """``build_c128a_topk_metadata``: the C128A (ratio-128) top-k rows and lengths."""
 from __future__ import annotations
 
-import numpy as np
-
-from . import arrays, cpu, families, geometry, params, validation
-from .arrays import INT32
-from .prepared import PlanCache, PreparedCall
+from . import checks, cpu, families, validation
 from .dcp import check_cp
 from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
+from .geometry import row_chunks
+from .kinds import INT32, Operand, probe_all
+from .launch import Launch, table_of
+from .params import C128ARows, RowChunks, SlotGeometry
+from .prepared import Checked, PreparedOp
 from .scalars import check_int
+from .slot_mapping import slot_geometry
 from .spec import MAX_BLOCK_SIZE
 
-#: Upstream vLLM's width when neither buffers nor a width are given.
+#: vLLM's width when neither buffers nor a width are given.
 DEFAULT_MAX_COMPRESSED_TOKENS = 8192
-_PREPARED = PlanCache()
+_OP = PreparedOp("build_c128a_topk_metadata")
 
 
 def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int,
@@ -78,25 +80,21 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     row and length 0, and rows past the table row's blocks are -1 and not
     counted. Columns at or past ``W`` and rows past the tokens are never written.
     """
-    key = None
-    if (validate == "default" and global_decode_buffer is not None
-            and decode_lens_buffer is not None and prefill_buffer is not None):
-        key = arrays.launch_key(positions, compress_ratio, num_decode_tokens,
-                                token_to_req_indices, block_table, block_size, slot_mapping,
-                                global_decode_buffer, decode_lens_buffer, prefill_buffer,
-                                max_compressed_tokens, dcp_world_size, dcp_rank,
-                                cp_kv_cache_interleave_size, num_valid_tokens)
-        prepared = _PREPARED.get(key) if key is not None else None
-        if prepared is not None and prepared.run():
-            return prepared.results
-    kind, device, ops = arrays.probe_all({
+    buffers = (global_decode_buffer, decode_lens_buffer, prefill_buffer)
+    key, results = _OP.replay(validate, buffers, positions, compress_ratio, num_decode_tokens,
+                              token_to_req_indices, block_table, block_size, slot_mapping,
+                              max_compressed_tokens, dcp_world_size, dcp_rank,
+                              cp_kv_cache_interleave_size, num_valid_tokens)
+    if results is not None:
+        return results
+    kind, device, ops = probe_all({
         "positions": positions, "token_to_req_indices": token_to_req_indices,
         "block_table": block_table, "slot_mapping": slot_mapping,
         "global_decode_buffer": global_decode_buffer, "decode_lens_buffer": decode_lens_buffer,
         "prefill_buffer": prefill_buffer})
     pos, token_to_req, table, slots = (ops["positions"], ops["token_to_req_indices"],
                                        ops["block_table"], ops["slot_mapping"])
-    positions_dtype = arrays.check(pos, POSITIONS_AXIS[1], 1)
+    checks.check(pos, POSITIONS_AXIS.values, 1)
     num_tokens = pos.shape[0]
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                maximum=MAX_BLOCK_SIZE)
@@ -105,14 +103,14 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                                   maximum=num_tokens)
     cp = check_cp(dcp_world_size, dcp_rank, cp_kv_cache_interleave_size, block_size=block_size,
                   names=("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size"))
-    valid_tokens = -1                 # the kernels' "validity from slot_mapping"
+    valid_tokens = VALIDITY_FROM_SLOTS
     if cp.world_size > 1:
         valid_tokens = num_decode_tokens if num_valid_tokens is None else check_int(
             "num_valid_tokens", num_valid_tokens, minimum=0)
     num_prefill_tokens = num_tokens - num_decode_tokens
-    arrays.check(token_to_req, (INT32,), 1, min_len=num_decode_tokens)
-    arrays.check(table, (INT32,), 2)
-    slot_dtype = arrays.check(slots, SLOT_MAPPING_AXIS[1], 1, min_len=num_decode_tokens)
+    checks.check(token_to_req, (INT32,), 1, min_len=num_decode_tokens)
+    checks.check(table, (INT32,), 2)
+    checks.check(slots, SLOT_MAPPING_AXIS.values, 1, min_len=num_decode_tokens)
 
     row_buffers = [op for op in (ops["global_decode_buffer"], ops["prefill_buffer"])
                    if op is not None and len(op.shape) == 2]
@@ -128,13 +126,13 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     else:
         width = DEFAULT_MAX_COMPRESSED_TOKENS
 
-    global_decode = arrays.output("global_decode_buffer", ops["global_decode_buffer"], kind,
+    global_decode = checks.output("global_decode_buffer", ops["global_decode_buffer"], kind,
                                   device, INT32, num_decode_tokens, width)
-    lens = arrays.output("decode_lens_buffer", ops["decode_lens_buffer"], kind, device, INT32,
+    lens = checks.output("decode_lens_buffer", ops["decode_lens_buffer"], kind, device, INT32,
                          num_decode_tokens)
-    prefill = arrays.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32,
+    prefill = checks.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32,
                             num_prefill_tokens, width)
-    arrays.check_no_alias([global_decode, lens, prefill], [pos, token_to_req, table, slots])
+    checks.check_no_alias([global_decode, lens, prefill], [pos, token_to_req, table, slots])
     if validation.check_mode(validate, num_cache_blocks):
         validation.storage_block(block_size, compress_ratio)
         validation.c128a_inputs(positions, token_to_req_indices, block_table, kind,
@@ -143,40 +141,33 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
 
     results = (global_decode.array[:num_decode_tokens, :width], lens.array[:num_decode_tokens],
                prefill.array[:num_prefill_tokens, :width])
-    if kind in arrays.GPU_KINDS:
-        plans = ()
-        if num_tokens:
-            chunks = geometry.row_chunks(num_tokens, width, device)
-            plans = (families.C128A.plan(
-                device, chunks[2], (positions_dtype, slot_dtype),
-                positions=pos.ptr, token_to_req=token_to_req.ptr, slot_mapping=slots.ptr,
-                table=arrays.block_table_group(table),
-                geometry=params.SLOT_GEOMETRY.values(
-                    block_size=block_size, ratio=compress_ratio, cp_world_size=cp.world_size,
-                    cp_rank=cp.rank, cp_interleave=cp.interleave),
-                rows=params.C128A_ROWS.values(
-                    global_decode=global_decode.ptr, decode_lens=lens.ptr, prefill=prefill.ptr,
-                    decode_stride=arrays.row_stride(global_decode),
-                    prefill_stride=arrays.row_stride(prefill), width=width,
-                    num_valid_tokens=valid_tokens),
-                chunks=params.ROW_CHUNKS.values(cols_per_block=chunks[0], chunks=chunks[1],
-                                                row_blocks=chunks[2]),
-                num_tokens=num_tokens, num_decode_tokens=num_decode_tokens),)
-        prepared = PreparedCall(plans, kind, device, results, results)
-        if not prepared.run():
-            raise RuntimeError("build_c128a_topk_metadata: the device changed during the call")
-        if key is not None:
-            _PREPARED.put(key, prepared)
-    else:
-        view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
-        flat_table, table_stride = view_2d(block_table, kind)
-        flat_decode, decode_stride = view_2d(global_decode.array, kind)
-        flat_prefill, prefill_stride = view_2d(prefill.array, kind)
-        cpu.c128a_topk_metadata(
-            view(positions, kind), np.int64(compress_ratio), np.int64(num_decode_tokens),
-            view(token_to_req_indices, kind), flat_table, table_stride, np.int64(table.shape[0]),
-            np.int64(table.shape[1]), np.int64(block_size), view(slot_mapping, kind),
-            np.int64(width), flat_decode, decode_stride, view(lens.array, kind), flat_prefill,
-            prefill_stride, np.int64(cp.world_size), np.int64(cp.rank), np.int64(cp.interleave),
-            np.int64(valid_tokens))
-    return results
+    rows = C128ARows(global_decode=global_decode, decode_lens=lens, prefill=prefill,
+                     decode_stride=checks.row_stride(global_decode),
+                     prefill_stride=checks.row_stride(prefill), width=width,
+                     num_valid_tokens=valid_tokens)
+    launch = c128a_launch(pos, token_to_req, slots, table,
+                          slot_geometry(block_size, compress_ratio, cp), rows, num_tokens,
+                          num_decode_tokens, device)
+    return _OP.run(key, Checked(kind, device, results, (launch,), results))
+
+
+#: ``C128ARows.num_valid_tokens`` that takes a decode token's validity from its
+#: slot (``slot_mapping >= 0``); under DCP it is the count of real tokens.
+VALIDITY_FROM_SLOTS = -1
+
+
+def c128a_launch(positions: Operand, token_to_req: Operand, slot_mapping: Operand,
+                 table: Operand, geometry: SlotGeometry, rows: C128ARows, num_tokens: int,
+                 num_decode_tokens: int, device: int) -> Launch:
+    """The C128A rows of the first ``num_tokens`` tokens (the first
+    ``num_decode_tokens`` of them decode tokens); ``device`` -1 for the CPU."""
+    cols_per_block, chunks, blocks = (row_chunks(num_tokens, rows.width, device)
+                                      if device >= 0 and num_tokens else (0, 1, 0))
+    return Launch(
+        families.C128A, blocks,
+        dict(positions=positions, token_to_req=token_to_req, slot_mapping=slot_mapping,
+             table=table_of(table), geometry=geometry, rows=rows,
+             chunks=RowChunks(cols_per_block=cols_per_block, chunks=chunks, row_blocks=blocks),
+             num_tokens=num_tokens, num_decode_tokens=num_decode_tokens),
+        variant={"positions": positions.dtype, "slot_mapping": slot_mapping.dtype},
+        kernel=cpu.c128a_topk_metadata)

@@ -1,14 +1,15 @@
 """``c4a_layer_topk``: both uses of a C4A layer's indexer top-k in one launch."""
 from __future__ import annotations
 
-from . import arrays, families, geometry, params
-from .arrays import INT32
-from .c4a import check_global_topk
+from . import checks, families, geometry
 from .combine import check_combine
-from .prepared import PreparedOp
+from .global_topk import check_global_topk
+from .kinds import INT32, probe
+from .launch import Launch
+from .prepared import Checked, PreparedOp
 from .scalars import check_int
 
-_PREPARED = PreparedOp("c4a_layer_topk")
+_OP = PreparedOp("c4a_layer_topk")
 
 
 def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, block_table,
@@ -53,15 +54,15 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
     """
     parts = type(out) in (tuple, list) and len(out) == 2 and all(
         type(part) in (tuple, list) and len(part) == 2 for part in out)
-    key, results = _PREPARED.replay(
+    key, results = _OP.replay(
         validate, [buffer for part in out for buffer in part] if parts else None, topk_indices,
         num_decode_tokens, token_to_req_indices, block_table, block_size, is_valid_token,
         query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, M, N, compact)
     if results is not None:
         return results
     decode_out, prefill_out = (None, None) if out is None else _parts(out)
-    topk = arrays.probe("topk_indices", topk_indices)
-    arrays.check(topk, (INT32,), 2)
+    topk = probe("topk_indices", topk_indices)
+    checks.check(topk, (INT32,), 2)
     num_tokens, width = topk.shape
     num_decode_tokens = check_int("num_decode_tokens", num_decode_tokens, minimum=0,
                                   maximum=num_tokens)
@@ -70,36 +71,30 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
                                validate)
     prefill = check_combine(topk_indices[num_decode_tokens:], query_start_loc, seq_lens,
                             gather_lens, window_size, compress_ratio, width, M, N, prefill_out,
-                            validate, lanes=geometry.WARP_LANES)   # c4a_layer.cu's rows
+                            validate, lanes=geometry.WARP_LANES)   # c4a_layer.cuh's rows
     if decode.kind != prefill.kind or decode.device != prefill.device:
         raise TypeError("query_start_loc: expected arrays of the kind and device of "
                         "topk_indices for both parts")
-    written = [arrays.probe(f"out[{part}][{i}]", result)
+    written = [probe(f"out[{part}][{i}]", result)
                for part, call in enumerate((decode, prefill)) for i, result in enumerate(call.results)]
-    read = [arrays.probe(name, x) for name, x in (
+    read = [probe(name, x) for name, x in (
         ("topk_indices", topk_indices[num_decode_tokens:]),
         ("token_to_req_indices", token_to_req_indices), ("block_table", block_table),
         ("is_valid_token", is_valid_token), ("query_start_loc", query_start_loc),
         ("seq_lens", seq_lens), ("gather_lens", gather_lens))]
-    arrays.check_no_alias(written[:2], written[2:] + read[:1] + read[4:])   # decode out vs prefill
-    arrays.check_no_alias(written[2:], read[1:4] + [arrays.probe(               # prefill out
+    checks.check_no_alias(written[:2], written[2:] + read[:1] + read[4:])   # decode out vs prefill
+    checks.check_no_alias(written[2:], read[1:4] + [probe(                  # prefill out
         "topk_indices", topk_indices[:num_decode_tokens])])                 # vs decode in
+    (decode_launch,), (prefill_launch,) = decode.launches, prefill.launches
+    blocks = geometry.check_grid(decode_launch.blocks + prefill_launch.blocks, num_tokens,
+                                 "topk_indices")
+    launch = Launch(families.C4A_LAYER, blocks,
+                    dict(decode=decode_launch, prefill=prefill_launch,
+                         decode_blocks=decode_launch.blocks, decode_compact=int(bool(compact))),
+                    parts=(decode_launch, prefill_launch))
     results = (decode.results, prefill.results)
-
-    if decode.kind not in arrays.GPU_KINDS:
-        decode.run_cpu()
-        prefill.run_cpu()
-        return results
-    plans = ()
-    blocks = geometry.check_grid(decode.blocks + prefill.blocks, num_tokens, "topk_indices")
-    if blocks:
-        plans = (families.C4A_LAYER.plan(
-            decode.device, blocks,
-            decode=params.GLOBAL_TOPK.values(**decode.fields),
-            prefill=params.COMBINE.values(**prefill.fields), decode_blocks=decode.blocks,
-            decode_compact=int(compact)),)
-    views = (*decode.results, *prefill.results)
-    return _PREPARED.launch(key, plans, decode.kind, decode.device, results, views)
+    return _OP.run(key, Checked(decode.kind, decode.device, results, (launch,),
+                                (*decode.results, *prefill.results)))
 
 
 def _parts(out):

@@ -1,15 +1,21 @@
-"""``combine_topk_swa_indices``: one sparse-prefill index row per token of a chunk."""
+"""``combine_topk_swa_indices``: one sparse-prefill index row per token of a
+chunk; ``build_c128a_combined_prefill_rows``: the same for every C128A layer
+of a step at once; and the step kernel's combined rows over a prefill plan."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, cpu, families, geometry, params, validation
-from .arrays import INT32
-from .prepared import CheckedCall, PreparedOp
+from . import checks, cpu, families, geometry, validation
+from .kinds import INT32, Operand, probe_all
+from .launch import Launch, NoArray
+from .params import MAX_PLAN_CHUNKS, PREFILL_COMBINE, PrefillPlan, QueryLayout
+from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, combined_width
 
-_PREPARED = PreparedOp("combine_topk_swa_indices")
+_OP = PreparedOp("combine_topk_swa_indices")
 _C128A_ROWS = PreparedOp("build_c128a_combined_prefill_rows")
 
 
@@ -62,16 +68,15 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1, 0, g0)``, then -1;
     ``lens = k_len + s_len``. Values are int32 (wrapping).
     """
-    key, results = _PREPARED.replay(validate, out, topk_indices, query_start_loc, seq_lens,
-                                    gather_lens, window_size, compress_ratio, topk, M, N)
+    key, results = _OP.replay(validate, out, topk_indices, query_start_loc, seq_lens,
+                              gather_lens, window_size, compress_ratio, topk, M, N)
     if results is not None:
         return results
     if topk_indices is None:
         raise TypeError("topk_indices: expected an int32 array [T, >= topk], got None (C128A "
                         "layers: build_c128a_combined_prefill_rows needs no input rows)")
-    return _PREPARED.run(key, families.COMBINE, check_combine(
-        topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk,
-        M, N, out, validate))
+    return _OP.run(key, check_combine(topk_indices, query_start_loc, seq_lens, gather_lens,
+                                      window_size, compress_ratio, topk, M, N, out, validate))
 
 
 def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens, gather_lens,
@@ -108,74 +113,126 @@ def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens
                                       gather_lens, window_size, compress_ratio, topk, M, N)
     if results is not None:
         return results
-    return _C128A_ROWS.run(key, families.COMBINE, check_combine(
-        None, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N,
-        out, validate, num_tokens=num_tokens))
+    return _C128A_ROWS.run(key, check_combine(None, query_start_loc, seq_lens, gather_lens,
+                                              window_size, compress_ratio, topk, M, N, out,
+                                              validate, num_tokens=num_tokens))
 
 
 def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
                   compress_ratio, topk, M, N, out, validate, num_tokens=None,
-                  lanes=None) -> CheckedCall:
-    """The checks of ``combine_topk_swa_indices``, and its launch or CPU call.
+                  lanes=None) -> Checked:
+    """The checks of ``combine_topk_swa_indices``, and its launch.
     ``topk_indices=None`` stands for C128A's local prefill rows (``x = k``) of
     ``num_tokens`` tokens, which the kernel computes instead of reading.
-    ``lanes``: threads per row of the kernel that runs the rows (default
-    ``geometry.combine_lanes``; a fused kernel says its own)."""
-    indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
-    kind, device, ops = arrays.probe_all({
+    ``lanes``: threads per row of a fused kernel (default ``geometry.combine_lanes``)."""
+    indices_out, lens_out = checks.out_buffers(out, ("indices", "lens"))
+    kind, device, ops = probe_all({
         "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
         "gather_lens": gather_lens, "out[0]": indices_out, "out[1]": lens_out})
     topk_op, qsl, seq, gather = (ops["topk_indices"], ops["query_start_loc"], ops["seq_lens"],
                                  ops["gather_lens"])
-    window_size = arrays.check_row_width("window_size", window_size, minimum=1)
-    topk = arrays.check_row_width("topk", topk)
+    window_size = checks.check_row_width("window_size", window_size, minimum=1)
+    topk = checks.check_row_width("topk", topk)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1 if topk else 0,
                                maximum=MAX_BLOCK_SIZE)
     M = check_int("M", M, minimum=0, maximum=np.iinfo(np.int32).max)   # values are int32
     N = check_int("N", N, minimum=0, maximum=M)
     if topk_op is not None:
-        arrays.check(topk_op, (INT32,), 2, min_cols=topk)
+        checks.check(topk_op, (INT32,), 2, min_cols=topk)
         num_tokens = topk_op.shape[0]
     else:
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-    arrays.check(qsl, (INT32,), 1, min_len=1)
+    checks.check(qsl, (INT32,), 1, min_len=1)
     num_reqs = qsl.shape[0] - 1
-    arrays.check(seq, (INT32,), 1, min_len=num_reqs)
-    arrays.check(gather, (INT32,), 1, min_len=num_reqs)
+    checks.check(seq, (INT32,), 1, min_len=num_reqs)
+    checks.check(gather, (INT32,), 1, min_len=num_reqs)
     width = combined_width(topk, window_size)
-    indices = arrays.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
-    lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
-    arrays.check_no_alias([indices, lens], [op for op in (topk_op, qsl, seq, gather) if op is not None])
+    indices = checks.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
+    lens = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
+    checks.check_no_alias([indices, lens],
+                          [op for op in (topk_op, qsl, seq, gather) if op is not None])
     if validation.check_mode(validate):
         validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
                                   window_size, M, N)
     results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
+    launch = combine_launch(QueryLayout(qsl, seq, num_reqs), gather, topk_op, indices, lens,
+                            num_tokens, window_size, compress_ratio, topk, M, N, device, lanes)
+    return Checked(kind, device, results, (launch,), results)
 
-    if kind in arrays.GPU_KINDS:
-        fields = dict(
-            query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
-                                             num_reqs=num_reqs),
-            gather_lens=gather.ptr, topk_indices=0 if topk_op is None else topk_op.ptr, out=indices.ptr,
-            lens=lens.ptr, topk_stride=0 if topk_op is None else arrays.row_stride(topk_op),
-            out_stride=arrays.row_stride(indices), width=width, num_tokens=num_tokens,
-            window_size=window_size, ratio=compress_ratio, topk=topk, rows_per_request=M,
-            swa_offset=N)
-        lanes = geometry.combine_lanes(width) if lanes is None else lanes
-        return CheckedCall(kind, device, results,
-                           geometry.row_lane_blocks(num_tokens, lanes) if num_tokens else 0,
-                           fields, None, (families.COMBINE.compiled_in("c", width),
-                                          families.COMBINE.compiled_in("w", window_size), lanes))
 
-    def run_cpu():
-        view, view_2d = arrays.kernel_view, arrays.kernel_view_2d
-        if topk_op is not None:
-            flat_topk, topk_stride = view_2d(topk_indices, kind)
-        else:                               # the rule rows: nothing to read
-            flat_topk, topk_stride = np.zeros(0, np.int32), np.int64(-1)
-        flat_out, out_stride = view_2d(indices.array, kind)
-        cpu.combine_topk_swa_indices(
-            flat_topk, topk_stride, view(query_start_loc, kind), np.int64(num_reqs),
-            view(seq_lens, kind), view(gather_lens, kind), np.int64(window_size),
-            np.int64(compress_ratio), np.int64(topk), np.int64(M), np.int64(N),
-            np.int64(num_tokens), np.int64(width), flat_out, out_stride, view(lens.array, kind))
-    return CheckedCall(kind, device, results, 0, None, run_cpu)
+def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices: Operand | None,
+                   out: Operand, lens: Operand, num_tokens: int, window_size: int,
+                   compress_ratio: int, topk: int, rows_per_request: int, swa_offset: int,
+                   device: int, lanes: int | None = None) -> Launch:
+    """The combined rows of a chunk's ``num_tokens`` tokens; without
+    ``topk_indices`` C128A's local prefill rows, without ``gather_lens`` the
+    gather lengths computed; ``device`` -1 for the CPU. ``lanes``: threads per
+    row, a fused kernel's (default ``geometry.combine_lanes``)."""
+    width = combined_width(topk, window_size)
+    lanes = geometry.combine_lanes(width) if lanes is None else lanes
+    family = families.COMBINE
+    return Launch(
+        family, geometry.row_lane_blocks(num_tokens, lanes) if device >= 0 and num_tokens else 0,
+        dict(query=query, gather_lens=NoArray(INT32) if gather_lens is None else gather_lens,
+             topk_indices=NoArray(INT32) if topk_indices is None else topk_indices, out=out,
+             lens=lens,
+             topk_stride=0 if topk_indices is None else checks.row_stride(topk_indices),
+             out_stride=checks.row_stride(out), width=width, num_tokens=num_tokens,
+             window_size=window_size, ratio=compress_ratio, topk=topk,
+             rows_per_request=rows_per_request, swa_offset=swa_offset),
+        variant={"width": family.compiled_in("width", width),
+                 "window": family.compiled_in("window", window_size), "lanes": lanes},
+        kernel=cpu.combine_topk_swa_indices)
+
+
+class PlanChunk(NamedTuple):
+    """One chunk of a prefill chunk plan, placed in the step's rows."""
+
+    start: int           # prefill requests [start, end)
+    end: int
+    swa_offset: int      # N: the chunk's largest compressed length
+    rows_per_request: int  # M: N + its largest gather length
+    first_row: int       # its prefill rows [first_row, end_row) of the step's prefill tokens
+    end_row: int
+
+
+def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_decodes: int,
+                             chunks: list[PlanChunk], out: Operand, lens: Operand,
+                             window_size: int, compress_ratio: int, topk: int,
+                             device: int) -> list[Launch]:
+    """The combined rows of a step's prefill tokens over its chunk plan,
+    without reading a top-k (C128A's local rows, or none) or gather lengths:
+    a launch of the step kernel's combine section per ``MAX_PLAN_CHUNKS``
+    chunks (on the CPU, a combine per chunk). ``query_start_loc`` and
+    ``seq_lens`` are the step's; prefill request ``i`` is request
+    ``num_decodes + i``."""
+    width = combined_width(topk, window_size)
+    lanes = geometry.combine_lanes(width)
+    launches = []
+    for first in range(0, len(chunks), MAX_PLAN_CHUNKS):
+        piece = chunks[first:first + MAX_PLAN_CHUNKS]
+        a, b = num_decodes + piece[0].start, num_decodes + piece[-1].end
+        t0, t1 = piece[0].first_row, piece[-1].end_row
+
+        def requests(start, stop):
+            return QueryLayout(checks.rows_of(query_start_loc, start, stop + 1),
+                               checks.rows_of(seq_lens, start, stop), stop - start)
+
+        rows = combine_launch(requests(a, b), None, None, checks.rows_of(out, t0, t1),
+                              checks.rows_of(lens, t0, t1), t1 - t0, window_size, compress_ratio,
+                              topk, 0, 0, device, lanes)
+        per_chunk = () if device >= 0 else tuple(      # the CPU's: a combine per chunk
+            combine_launch(requests(num_decodes + c.start, num_decodes + c.end), None, None,
+                           checks.rows_of(out, c.first_row, c.end_row),
+                           checks.rows_of(lens, c.first_row, c.end_row), c.end_row - c.first_row,
+                           window_size, compress_ratio, topk, c.rows_per_request, c.swa_offset,
+                           -1)
+            for c in piece)
+        pad = [0] * (MAX_PLAN_CHUNKS - len(piece))
+        plan = PrefillPlan(chunks=len(piece),
+                           first_request=[c.start - piece[0].start for c in piece] + pad,
+                           rows_per_request=[c.rows_per_request for c in piece] + pad,
+                           swa_offset=[c.swa_offset for c in piece] + pad)
+        launches.append(Launch(None, rows.blocks, dict(rows=rows, lanes=lanes, plan=plan),
+                               layout=PREFILL_COMBINE, parts=per_chunk))
+    return launches

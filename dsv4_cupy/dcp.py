@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import arrays
+from .kinds import kind_of, stack_columns
 from .scalars import check_int
 
 #: Bound of context-parallel world and interleave sizes.
@@ -21,9 +21,6 @@ class ContextParallel(NamedTuple):
     world_size: int
     rank: int
     interleave: int
-
-
-SINGLE_RANK = ContextParallel(1, 0, 1)
 
 
 def check_cp(world_size, rank, interleave, *, block_size: int | None = None,
@@ -73,7 +70,7 @@ def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = N
                                            "cp_kv_cache_interleave_size"))
     if dcp_rank is not None:
         check_int("dcp_rank", dcp_rank, minimum=0, maximum=world - 1)
-    if isinstance(seq_lens, int) or arrays.kind_of(seq_lens) is None:
+    if isinstance(seq_lens, int) or kind_of(seq_lens) is None:
         seq_lens = check_int("seq_lens", seq_lens, minimum=0)
 
     def local(rank):
@@ -87,4 +84,4 @@ def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = N
     columns = [local(rank) for rank in range(world)]
     if isinstance(seq_lens, int):
         return columns
-    return arrays.stack_columns(columns)
+    return stack_columns(columns)

@@ -6,6 +6,8 @@ loader for it.
 """
 from __future__ import annotations
 
+import ctypes
+
 from .errors import NoGPUError, NVRTCMissingError
 
 
@@ -64,3 +66,16 @@ def sm_count(device: int) -> int:
         count = _SM_COUNT[device] = cupy_module().cuda.Device(device).attributes[
             "MultiProcessorCount"]
     return count
+
+
+def driver_function(name: str, argtypes: tuple):
+    """The CUDA driver's entry point ``name`` (ctypes, returning its status),
+    or None where there is no driver or it is too old to have it: for what
+    CuPy has no binding of."""
+    try:
+        function = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function

@@ -1,9 +1,13 @@
-"""Launch geometry: threads per block and how the grids are cut."""
+"""Launch geometry: threads per block, how the grids are cut, and which
+shapes a kernel may have compiled in."""
 from __future__ import annotations
 
 from .device import sm_count
 from .spec import cdiv
 
+#: The value of a family's int axis whose kernel reads the quantity from its struct
+#: (passed to kernels as DSV4_RUN_TIME).
+RUN_TIME = 0
 #: Threads per block of every kernel (the kernels' __launch_bounds__, passed as DSV4_THREADS).
 THREADS = 256
 #: Grid-stride kernels never ask for more blocks than this.
@@ -104,20 +108,21 @@ def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES, threads: int = THREA
 def topk_row_threads(width: int) -> int:
     """Threads of a global top-k row's block: a 16-byte vector of the row each,
     at most THREADS (K = 512: 128); THREADS for a run-time width (0). Measured
-    in kernels/global_topk.cu."""
+    in kernels/global_topk.cuh."""
     return min(THREADS, width // 4) if width > 0 else THREADS
 
 
-def row_blocks(num_rows: int) -> int:
-    """Blocks of a grid-stride loop giving each row a block (0 for no rows)."""
+def grid_stride_row_blocks(num_rows: int) -> int:
+    """Blocks of a grid-stride loop over rows, a block per row while they last
+    (0 for no rows)."""
     return min(num_rows, MAX_GRID_STRIDE_BLOCKS)
 
 
-def block_rows(num_rows: int) -> int:
+def one_block_per_row(num_rows: int, name: str) -> int:
     """Blocks of a kernel that gives each row a block of its own and has no
-    grid-stride loop (the global top-k rows; 0 for no rows): at most
-    MAX_GRID_BLOCKS rows (``check_grid``)."""
-    return num_rows
+    grid-stride loop (the global top-k rows; 0 for no rows), checked to fit
+    one grid (``check_grid``, naming argument ``name``)."""
+    return check_grid(num_rows, num_rows, name)
 
 
 def check_grid(blocks: int, rows: int, name: str) -> int:
@@ -130,13 +135,8 @@ def check_grid(blocks: int, rows: int, name: str) -> int:
 
 
 def elementwise_blocks(n: int) -> int:
-    """Blocks of THREADS for a grid-stride loop over n elements."""
-    return max(1, min(cdiv(n, THREADS), MAX_GRID_STRIDE_BLOCKS))
-
-
-def element_blocks(n: int) -> int:
-    """Blocks of THREADS giving one thread to each of n elements."""
-    return cdiv(n, THREADS)
+    """Blocks of THREADS for a grid-stride loop over n elements (0 for none)."""
+    return min(cdiv(n, THREADS), MAX_GRID_STRIDE_BLOCKS)
 
 
 def row_geometry(num_rows: int, width: int, device: int) -> tuple[int, int]:

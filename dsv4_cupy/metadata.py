@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .arrays import to_torch
+from .kinds import to_torch
 
 
 @dataclass

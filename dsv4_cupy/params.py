@@ -10,6 +10,7 @@ kernel, so a C struct that drifts from its Python twin fails to compile.
 """
 from __future__ import annotations
 
+import collections
 import struct
 
 import numpy as np
@@ -71,7 +72,21 @@ class _Layout:
 
 
 class Group(_Layout):
-    """A nested struct shared by several kernels' parameters."""
+    """A nested struct shared by several kernels' parameters. Its ``record``
+    (a named tuple of the same fields) is how a launch names the group's
+    values: ``launch.Launch`` turns it into the C struct's values on the GPU
+    and hands it as it is (arrays as host views) to the numba kernels."""
+
+    def __init__(self, c_name: str, fields: list[tuple[str, object]]):
+        super().__init__(c_name, fields)
+        # Bound below to a module-level name of its own: numba's disk cache
+        # pickles the record's type by reference.
+        self.record = collections.namedtuple(c_name, self.names, module=__name__)
+        RECORD_LAYOUTS[self.record] = self
+
+
+#: The layout of each group record.
+RECORD_LAYOUTS: dict = {}
 
 
 class Params(_Layout):
@@ -105,7 +120,15 @@ C128A_ROWS = Group("C128ARows", [
     ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("decode_stride", I64),
     ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64)])
 ROW_CHUNKS = Group("RowChunks", [("cols_per_block", I64), ("chunks", I64), ("row_blocks", I64)])
-GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY, C128A_ROWS, ROW_CHUNKS)
+#: Chunks of a prefill plan one step launch carries (a longer plan takes more launches).
+MAX_PLAN_CHUNKS = 32
+PREFILL_PLAN = Group("PrefillPlan", [
+    ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
+    ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
+    ("swa_offset", Array(I32, MAX_PLAN_CHUNKS))])
+GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY, C128A_ROWS, ROW_CHUNKS, PREFILL_PLAN)
+QueryLayout, BlockTable, SlotGeometry, C128ARows, RowChunks, PrefillPlan = (
+    group.record for group in GROUPS)
 
 # --- one struct per kernel family ---------------------------------------------------------
 TOKEN_MAP = Params("TokenMapParams", [
@@ -117,9 +140,6 @@ C128A = Params("C128AParams", [
     ("positions", PTR), ("token_to_req", PTR), ("slot_mapping", PTR), ("table", BLOCK_TABLE),
     ("geometry", SLOT_GEOMETRY), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS),
     ("num_tokens", I64), ("num_decode_tokens", I64)])
-ALL = (TOKEN_MAP, SLOT_MAPPING, C128A)
-
-# --- the per-layer and indexer metadata families (upstream.md §2, §4-§6, §8) ---------------
 SWA = Params("SwaParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("token_to_req", PTR),
     ("is_valid_token", PTR), ("indices", PTR), ("lens", PTR), ("indices_stride", I64),
@@ -148,36 +168,24 @@ INDEXER_DECODE = Params("IndexerDecodeParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("context_lens", PTR), ("req_ids", PTR),
     ("decode_lens", PTR), ("block_rows", PTR), ("block_rows_stride", I64), ("num_tokens", I64),
     ("context_lens_len", I64), ("ratio", I64)])
+#: A layer type's combined prefill rows over a prefill plan (a section of the step kernel).
+PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", COMBINE), ("lanes", I64),
+                                                  ("plan", PREFILL_PLAN)])
+
+# --- fused families: each nests the structs of the families it fuses ----------------------
 C4A_LAYER = Params("C4ALayerParams", [
     ("decode", GLOBAL_TOPK), ("prefill", COMBINE), ("decode_blocks", I64),
     ("decode_compact", I64)])
-ALL += (SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER, INDEXER_PREFILL,
-        INDEXER_DECODE, C4A_LAYER)
-
-# --- the fused step kernel (kernels/step.cu) -------------------------------------------------
-#: Chunks of a prefill plan one step launch carries (a longer plan takes more launches).
-MAX_PLAN_CHUNKS = 32
-BUILD_STEP = Params("BuildStepParams", [
-    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
-    ("positions", PTR), ("slot_mapping", PTR), ("req_out", PTR), ("slots_out", PTR),
-    ("slots_len", I64), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS), ("num_tokens", I64),
-    ("num_decode_tokens", I64)])
-PREFILL_PLAN = Group("PrefillPlan", [
-    ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
-    ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
-    ("swa_offset", Array(I32, MAX_PLAN_CHUNKS))])
-PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", COMBINE), ("lanes", I64),
-                                                  ("plan", PREFILL_PLAN)])
-#: The step kernel's sections, in grid order.
-STEP_SECTION_NAMES = ("base", "swa", "c4a_slots", "indexer_slots", "gather", "indexer_decode",
-                      "indexer_prefill", "c128a_combine", "swa_combine", "short_context")
+#: The step kernel's sections, in grid order: each is one family's struct.
+STEP_SECTIONS_OF = (("token_map", TOKEN_MAP), ("group_slots", SLOT_MAPPING), ("c128a", C128A),
+                    ("swa", SWA), ("c4a_slots", SLOT_MAPPING), ("indexer_slots", SLOT_MAPPING),
+                    ("gather", PREFILL_GATHER), ("indexer_decode", INDEXER_DECODE),
+                    ("indexer_prefill", INDEXER_PREFILL), ("c128a_combine", PREFILL_COMBINE),
+                    ("swa_combine", PREFILL_COMBINE), ("short_context", SHORT_CONTEXT))
+STEP_SECTION_NAMES = tuple(name for name, _ in STEP_SECTIONS_OF)
 STEP_SECTIONS = Group("StepSections", [(name, I64) for name in STEP_SECTION_NAMES])
-STEP = Params("StepParams", [
-    ("base", BUILD_STEP), ("swa", SWA), ("c4a_slots", SLOT_MAPPING),
-    ("indexer_slots", SLOT_MAPPING), ("gather", PREFILL_GATHER),
-    ("indexer_decode", INDEXER_DECODE), ("indexer_prefill", INDEXER_PREFILL),
-    ("c128a_combine", PREFILL_COMBINE), ("swa_combine", PREFILL_COMBINE),
-    ("short_context", SHORT_CONTEXT), ("sections", STEP_SECTIONS), ("swa_slot_mapping", PTR),
-    ("is_valid_out", PTR)])
-GROUPS += (PREFILL_PLAN, STEP_SECTIONS)
-ALL += (BUILD_STEP, PREFILL_COMBINE, STEP)
+GROUPS += (STEP_SECTIONS,)
+STEP = Params("StepParams", [*STEP_SECTIONS_OF, ("sections", STEP_SECTIONS),
+                             ("swa_slot_mapping", PTR), ("is_valid_out", PTR)])
+ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER,
+       INDEXER_PREFILL, INDEXER_DECODE, PREFILL_COMBINE, C4A_LAYER, STEP)

@@ -1,81 +1,118 @@
-"""Prepared GPU calls: what a repeated call with the same arguments needs.
+"""Prepared calls: what a repeated call with the same arguments needs.
 
 A serving loop calls an op, or a builder's ``build``, with the same buffers
-step after step. The first call checks everything and prepares the launch; a
-later call whose ``arrays.launch_key`` is equal passes the same checks and makes
-the same launch, so it only reads the caller's current stream, checks that the
-result views were not changed in place, and launches. The key is built from
-attributes alone: no device memory is read, and the full checks run whenever
-anything differs.
+step after step. The first call checks everything and prepares its launches;
+a later call whose ``keys.launch_key`` is equal passes the same checks and
+makes the same launches, so it only reads the caller's current stream,
+checks that the result views were not changed in place, and launches. The
+key is built from attributes alone: no device memory is read, and the full
+checks run whenever anything differs.
+
+Every public op has the same skeleton::
+
+    _OP = PreparedOp("name")
+
+    def name(..., out=None, validate="default"):
+        key, results = _OP.replay(validate, out_buffers, *arguments)
+        if results is not None:
+            return results
+        return _OP.run(key, check_name(...))      # a Checked: its family's Launches
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from . import arrays
-from .loader import LaunchPlan, PlanCache
+from . import keys
+from .kinds import GPU_KINDS
+from .launch import PreparedLaunch, stream_getter
+
+#: Prepared calls one op or builder keeps (then the oldest goes first).
+MAX_PREPARED_CALLS = 256
+
+
+class PreparedCalls:
+    """Prepared calls by key, at most ``capacity`` (the oldest goes first)."""
+
+    def __init__(self, capacity: int = MAX_PREPARED_CALLS):
+        self.capacity = capacity
+        self._calls: dict = {}
+
+    def get(self, key):
+        return self._calls.get(key)
+
+    def put(self, key, call) -> None:
+        if len(self._calls) >= self.capacity:
+            self._calls.pop(next(iter(self._calls)), None)   # another thread may have too
+        self._calls[key] = call
+
+    def clear(self) -> None:
+        self._calls.clear()
 
 
 class PreparedCall:
-    """Launch plans run in order on the caller's stream, and the results to return."""
+    """Prepared launches run in order on the caller's stream, and the results to return."""
 
-    __slots__ = ("plans", "stream", "results", "_watched")
+    __slots__ = ("launches", "stream", "results", "_watched")
 
-    def __init__(self, plans: tuple[LaunchPlan, ...], kind: str, device: int, results,
+    def __init__(self, launches: tuple[PreparedLaunch, ...], kind: str, device: int, results,
                  views: tuple = (), *, owned: tuple = ()):
         """``results`` is returned by each run; the arrays inside it are checked
         for in-place changes before each run: ``views`` (any arrays, by
-        ``arrays.view_state``) and ``owned`` (views of buffers only this
-        library's kernels write, by ``arrays.owned_state_reader``: a torch
+        ``keys.view_state``) and ``owned`` (views of buffers only this
+        library's kernels write, by ``keys.owned_state_reader``: a torch
         buffer's views are watched by one read)."""
-        self.plans = plans
-        self.stream = arrays.stream_getter(kind, device)
+        self.launches = launches
+        self.stream = stream_getter(kind, device)
         self.results = results
-        watched = {id(view): (view, arrays.state_reader(view)) for view in views
+        watched = {id(view): (view, keys.state_reader(view)) for view in views
                    if view is not None}
         for view in owned:
             if view is not None:
-                target, read = arrays.owned_state_reader(view)
+                target, read = keys.owned_state_reader(view)
                 watched[id(target)] = (target, read)
         self._watched = tuple((target, read, read(target)) for target, read in watched.values())
 
     def run(self) -> bool:
         """Launch and return True, or launch nothing and return False when a
-        result view was changed in place or a plan cannot run here."""
+        result view was changed in place or a launch cannot run here."""
         for view, read, state in self._watched:
             if read(view) != state:
                 return False
         stream = self.stream()
-        for index, plan in enumerate(self.plans):
-            if not plan.run(stream):
+        for index, launch in enumerate(self.launches):
+            if not launch.run(stream):
                 if index:       # only a context reset between two launches gets here
                     raise RuntimeError("the CUDA context changed during a call")
                 return False
         return True
 
 
-class CheckedCall(NamedTuple):
-    """An op's arguments after its checks: what to return, and what to run for
-    it: a kernel's struct fields and blocks on the GPU (a fused family nests
-    them), a numba call on the CPU."""
+class Checked(NamedTuple):
+    """An op's arguments after its checks: what to return and what to run for
+    it (its family's launches), and the result views to watch."""
 
     kind: str
     device: int
-    results: tuple
-    blocks: int                   # 0: nothing to launch
-    fields: dict | None           # the kernel struct's fields (GPU)
-    run_cpu: Callable | None      # the CPU kernel's call (CPU)
-    variant: tuple = ()           # the kernel's entry point: a value per axis of its family
+    results: object
+    launches: tuple          # launch.Launch, in order
+    views: tuple             # the result arrays (watched for in-place changes)
+
+
+def prepare(checked: Checked) -> PreparedCall:
+    """The GPU launches of ``checked`` prepared on its device (none of 0 blocks)."""
+    launches = tuple(launch.prepare(checked.device) for launch in checked.launches
+                     if launch.blocks)
+    return PreparedCall(launches, checked.kind, checked.device, checked.results, checked.views)
 
 
 class PreparedOp:
-    """The prepared calls of one op, by ``arrays.launch_key`` of its arguments."""
+    """The prepared calls of one op, by ``keys.launch_key`` of its arguments."""
 
-    __slots__ = ("name", "_calls")
+    __slots__ = ("name", "calls")
 
     def __init__(self, name: str):
         self.name = name
-        self._calls = PlanCache()
+        self.calls = PreparedCalls()
 
     def replay(self, validate: str, buffers, *args) -> tuple:
         """``(key, results)``: the results of a prepared call with these
@@ -86,30 +123,24 @@ class PreparedOp:
         if (validate != "default" or type(buffers) not in (tuple, list)
                 or any(buffer is None for buffer in buffers)):
             return None, None
-        key = arrays.launch_key(*args, *buffers)
-        call = self._calls.get(key) if key is not None else None
+        key = keys.launch_key(*args, *buffers)
+        call = self.calls.get(key) if key is not None else None
         if call is not None and call.run():
             return key, call.results
         return key, None
 
-    def run(self, key, family, call: CheckedCall):
-        """Run a checked call of ``family``, keeping its launch under ``key`` on the GPU."""
-        if call.kind not in arrays.GPU_KINDS:
-            call.run_cpu()
-            return call.results
-        plans = ((family.plan(call.device, call.blocks, call.variant, **call.fields),)
-                 if call.blocks else ())
-        return self.launch(key, plans, call.kind, call.device, call.results, call.results)
-
-    def launch(self, key, plans: tuple[LaunchPlan, ...], kind: str, device: int, results,
-               views: tuple):
-        """Launch ``plans`` (checked arguments) and keep them under ``key``."""
-        call = PreparedCall(plans, kind, device, results, views)
+    def run(self, key, checked: Checked):
+        """Run a checked call; on the GPU, keep its launches under ``key``."""
+        if checked.kind not in GPU_KINDS:
+            for launch in checked.launches:
+                launch.run_cpu()
+            return checked.results
+        call = prepare(checked)
         if not call.run():
             raise RuntimeError(f"{self.name}: the device changed during the call")
         if key is not None:
-            self._calls.put(key, call)
-        return results
+            self.calls.put(key, call)
+        return checked.results
 
 
-__all__ = ["CheckedCall", "PreparedCall", "PreparedOp", "PlanCache"]
+__all__ = ["Checked", "PreparedCall", "PreparedCalls", "PreparedOp", "prepare"]

@@ -1,17 +1,18 @@
 """``get_compressed_slot_mapping``: where each token's compressed row is written."""
 from __future__ import annotations
 
-import numpy as np
-
-from . import arrays, cpu, families, geometry, params, validation
-from .arrays import INT32, INT64
-from .dcp import check_cp, merge_aliases
+from . import checks, cpu, families, validation
+from .dcp import ContextParallel, check_cp, merge_aliases
 from .families import SLOT_MAPPING_AXIS
-from .prepared import PlanCache, PreparedCall
+from .geometry import elementwise_blocks
+from .kinds import INT32, INT64, Operand, probe_all
+from .launch import Launch, NoArray, table_of
+from .params import QueryLayout, SlotGeometry
+from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
-_PREPARED = PlanCache()
+_OP = PreparedOp("get_compressed_slot_mapping")
 
 
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table,
@@ -63,18 +64,15 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     the row, else -1. A block index past the table row gives -1, never a read
     of the next row.
     """
-    key = None
-    if validate == "default" and out is not None:
-        key = arrays.launch_key(num_tokens, query_start_loc, seq_lens, block_table, block_size,
-                                compress_ratio, out, cp_world_size, cp_rank,
-                                cp_kv_cache_interleave_size, dcp_world_size, dcp_rank,
-                                token_slot_mapping)
-        prepared = _PREPARED.get(key) if key is not None else None
-        if prepared is not None and prepared.run():
-            return prepared.results
-    kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc,
-                                          "seq_lens": seq_lens, "block_table": block_table,
-                                          "out": out, "token_slot_mapping": token_slot_mapping})
+    key, results = _OP.replay(validate, (out,), num_tokens, query_start_loc, seq_lens,
+                              block_table, block_size, compress_ratio, cp_world_size, cp_rank,
+                              cp_kv_cache_interleave_size, dcp_world_size, dcp_rank,
+                              token_slot_mapping)
+    if results is not None:
+        return results
+    kind, device, ops = probe_all({"query_start_loc": query_start_loc, "seq_lens": seq_lens,
+                                   "block_table": block_table, "out": out,
+                                   "token_slot_mapping": token_slot_mapping})
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
@@ -84,50 +82,43 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
                   merge_aliases("cp_rank", cp_rank, "dcp_rank", dcp_rank, 0),
                   cp_kv_cache_interleave_size, block_size=block_size)
     table, qsl, seq = ops["block_table"], ops["query_start_loc"], ops["seq_lens"]
-    arrays.check(table, (INT32,), 2)
+    checks.check(table, (INT32,), 2)
     num_rows = table.shape[0]
-    arrays.check(qsl, (INT32,), 1, min_len=num_rows + 1)
-    arrays.check(seq, (INT32,), 1, min_len=num_rows)
+    checks.check(qsl, (INT32,), 1, min_len=num_rows + 1)
+    checks.check(seq, (INT32,), 1, min_len=num_rows)
     token_slots = ops["token_slot_mapping"]
-    slot_dtype = INT64
     if token_slots is not None:
-        slot_dtype = arrays.check(token_slots, SLOT_MAPPING_AXIS[1], 1, min_len=num_tokens)
-    out = arrays.output("out", ops["out"], kind, device, INT64, num_tokens)
-    arrays.check_no_alias([out], [qsl, seq, table, token_slots])
+        checks.check(token_slots, SLOT_MAPPING_AXIS.values, 1, min_len=num_tokens)
+    out = checks.output("out", ops["out"], kind, device, INT64, num_tokens)
+    checks.check_no_alias([out], [qsl, seq, table, token_slots])
     if validation.check_mode(validate, num_cache_blocks):
         validation.storage_block(block_size, compress_ratio)
         validation.slot_mapping_inputs(query_start_loc, seq_lens, block_table, kind, block_size,
                                        compress_ratio, cp.world_size, num_cache_blocks)
-    out_len = out.shape[0]
     result = out.array[:num_tokens]
-    if kind in arrays.GPU_KINDS:
-        plans = ()
-        if out_len:
-            plans = (families.SLOT_MAPPING.plan(
-                device, geometry.elementwise_blocks(out_len), (slot_dtype,),
-                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
-                                                 num_reqs=num_rows),
-                table=arrays.block_table_group(table),
-                geometry=params.SLOT_GEOMETRY.values(
-                    block_size=block_size, ratio=compress_ratio, cp_world_size=cp.world_size,
-                    cp_rank=cp.rank, cp_interleave=cp.interleave),
-                token_slots=token_slots.ptr if token_slots is not None else 0, out=out.ptr,
-                out_len=out_len, num_tokens=num_tokens),)
-        prepared = PreparedCall(plans, kind, device, result, (result,))
-        if not prepared.run():
-            raise RuntimeError("get_compressed_slot_mapping: the device changed during the call")
-        if key is not None:
-            _PREPARED.put(key, prepared)
-    else:
-        flat_table, table_stride = arrays.kernel_view_2d(block_table, kind)
-        cpu.compressed_slot_mapping(
-            arrays.kernel_view(query_start_loc, kind), arrays.kernel_view(seq_lens, kind),
-            flat_table, table_stride, np.int64(num_rows), np.int64(table.shape[1]),
-            np.int64(block_size), np.int64(compress_ratio), np.int64(cp.world_size),
-            np.int64(cp.rank), np.int64(cp.interleave), np.int64(num_tokens),
-            arrays.kernel_view(token_slot_mapping, kind) if token_slots is not None
-            else _NO_TOKEN_SLOTS, token_slots is not None, arrays.kernel_view(out.array, kind))
-    return result
+    launch = slot_mapping_launch(qsl, seq, table, slot_geometry(block_size, compress_ratio, cp),
+                                 out, num_tokens, token_slots)
+    return _OP.run(key, Checked(kind, device, result, (launch,), (result,)))
 
 
-_NO_TOKEN_SLOTS = np.full(1, -1, np.int64)
+def slot_geometry(block_size: int, compress_ratio: int, cp: ContextParallel) -> SlotGeometry:
+    """Where a group's compressed rows live: its storage block, ratio and sharding."""
+    return SlotGeometry(block_size=block_size, ratio=compress_ratio,
+                        cp_world_size=cp.world_size, cp_rank=cp.rank,
+                        cp_interleave=cp.interleave)
+
+
+def slot_mapping_launch(query_start_loc: Operand, seq_lens: Operand, table: Operand,
+                        geometry: SlotGeometry, out: Operand, num_tokens: int,
+                        token_slots: Operand | None = None) -> Launch:
+    """The compressed slot mapping of the first ``num_tokens`` tokens, written
+    over the whole of ``out`` (-1 where there is no slot)."""
+    out_len = out.shape[0]
+    slot_dtype = INT64 if token_slots is None else token_slots.dtype
+    return Launch(
+        families.SLOT_MAPPING, elementwise_blocks(out_len),
+        dict(query=QueryLayout(query_start_loc, seq_lens, table.shape[0]), table=table_of(table),
+             geometry=geometry, token_slots=NoArray(INT64) if token_slots is None else token_slots,
+             out=out, out_len=out_len, num_tokens=num_tokens),
+        variant={"slot_mapping": slot_dtype}, kernel=cpu.compressed_slot_mapping)
+

@@ -25,15 +25,19 @@ FP8_DS_MLA_BYTES_PER_TOKEN = NOPE_HEAD_DIM + 2 * ROPE_HEAD_DIM + 8
 SWA_WINDOW_SIZE = 128
 #: Rows per block of the SWA cache.
 SWA_BLOCK_SIZE = 64
-#: Compress ratio of the C4A layers, and their compressed rows per cache block.
+#: Compress ratio of the C4A layers (and of their indexer's cache), and their
+#: compressed rows per cache block.
 C4A_RATIO = 4
 C4A_BLOCK_SIZE = KV_BLOCK_SIZE // C4A_RATIO
+#: Compress ratio of the C128A layers, and their compressed rows per cache block.
+C128A_RATIO = 128
+C128A_BLOCK_SIZE = KV_BLOCK_SIZE // C128A_RATIO
+#: vLLM's ``PREFILL_CHUNK_SIZE``: requests' worth of gathered workspace per prefill chunk.
+PREFILL_CHUNK_SIZE = 4
 #: The indexer's top-k (``hf_config.index_topk``): V4-Flash, V4-Pro.
 INDEX_TOPKS = (512, 1024)
 #: Sentinel for "no slot" in slot mappings and top-k index rows.
 PAD_SLOT_ID = -1
-#: DeepSeek-V4 max_position_embeddings.
-MAX_POSITION_EMBEDDINGS = 1 << 20
 #: Upper bound of block sizes and compress ratios: keeps every slot product in int64.
 MAX_BLOCK_SIZE = 1 << 30
 
@@ -90,11 +94,11 @@ def c128a_capacity(max_model_len: int) -> int:
     65,536 -> 512; 262,144 -> 2048; 1,048,576 -> 8192; 2,136 -> 128.
     """
     max_model_len = check_int("max_model_len", max_model_len, minimum=1)
-    return round_up(cdiv(max_model_len, 128), C128A_TOPK_ALIGNMENT)
+    return round_up(cdiv(max_model_len, C128A_RATIO), C128A_TOPK_ALIGNMENT)
 
 
 def c128a_active_width(max_seq_len: int, capacity: int) -> int:
-    """The upstream (#52823) live width: ``clamp(next_pow2(max(max_seq_len // 128, 1)), 128, capacity)``.
+    """vLLM's live width (#52823): ``clamp(next_pow2(max(max_seq_len // 128, 1)), 128, capacity)``.
 
     Always a multiple of 128 (a power of two >= 128, or ``capacity``). The clamp
     to ``capacity`` keeps a capture at ``max_seq_len`` slightly above
@@ -105,12 +109,13 @@ def c128a_active_width(max_seq_len: int, capacity: int) -> int:
     if capacity % C128A_TOPK_ALIGNMENT:
         raise ValueError(f"capacity: expected a multiple of {C128A_TOPK_ALIGNMENT}, got "
                          f"{capacity}")
-    return active_width_unchecked(max_seq_len, capacity)
+    return active_width(max_seq_len, capacity)
 
 
-def active_width_unchecked(max_seq_len: int, capacity: int) -> int:
-    """``c128a_active_width`` of checked ints (the builder's per-step path)."""
-    return min(max(next_power_of_2(max(max_seq_len // 128, 1)), 128), capacity)
+def active_width(max_seq_len: int, capacity: int) -> int:
+    """``c128a_active_width`` of checked ints (the builders' per-step path)."""
+    return min(max(next_power_of_2(max(max_seq_len // C128A_RATIO, 1)), C128A_TOPK_ALIGNMENT),
+               capacity)
 
 
 _CACHE_DTYPES = ("auto", "fp8_ds_mla", "fp8")
@@ -226,7 +231,8 @@ def _warn_once(message: str) -> None:
 
 __all__ = [
     "C128A_TOPK_ALIGNMENT", "KV_BLOCK_SIZE", "HEAD_SIZE", "NOPE_HEAD_DIM", "ROPE_HEAD_DIM",
-    "FP8_DS_MLA_BYTES_PER_TOKEN", "PAD_SLOT_ID", "MAX_POSITION_EMBEDDINGS", "MAX_BLOCK_SIZE", "cdiv",
+    "FP8_DS_MLA_BYTES_PER_TOKEN", "PAD_SLOT_ID", "MAX_BLOCK_SIZE", "C4A_RATIO", "C128A_RATIO",
+    "PREFILL_CHUNK_SIZE", "cdiv",
     "round_up", "next_power_of_2", "visible_rows", "compressed_row_owner", "c128a_capacity", "c128a_active_width", "kv_cache_shape",
     "DeviceCapability", "DeepseekV4FlashMLABackend", "NoGPUError",
 ]

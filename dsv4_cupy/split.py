@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays
-from .arrays import INT32, INT64
+from . import checks, host
+from .kinds import HOST_KINDS, INT32, INT64, describe, kind_of, probe
 from .scalars import check_int
 
 
@@ -54,14 +54,14 @@ def split_decodes_and_prefills(common_attn_metadata, decode_threshold: int = 1,
         num_actual_tokens = cm.num_actual_tokens if num_actual_tokens is None else num_actual_tokens
         max_query_len = cm.max_query_len if max_query_len is None else max_query_len
         is_prefilling = cm.is_prefilling if is_prefilling is None else is_prefilling
-    kind = arrays.kind_of(query_start_loc)
-    if kind not in (arrays.NUMPY, arrays.TORCH_CPU):
+    kind = kind_of(query_start_loc)
+    if kind not in HOST_KINDS:
         raise TypeError(f"{name}: expected a host array (numpy or torch CPU; vLLM's "
-                        f"query_start_loc_cpu), got {arrays.describe(query_start_loc)}")
-    op = arrays.probe(name, query_start_loc)
-    arrays.check(op, (INT32, INT64), 1, min_len=1 if num_reqs is None else num_reqs + 1)
+                        f"query_start_loc_cpu), got {describe(query_start_loc)}")
+    op = probe(name, query_start_loc)
+    checks.check(op, (INT32, INT64), 1, min_len=1 if num_reqs is None else num_reqs + 1)
     threshold = check_int("decode_threshold", decode_threshold, minimum=0)
-    qsl = arrays.host_view(query_start_loc, kind)
+    qsl = host.host_view(query_start_loc, kind)
     if num_reqs is not None:
         qsl = qsl[:num_reqs + 1]
     if num_actual_tokens is not None:
@@ -80,13 +80,13 @@ def host_prefilling(is_prefilling, num_reqs: int) -> np.ndarray:
     if is_prefilling is None:
         raise ValueError("is_prefilling: required when treat_short_extends_as_decodes is False "
                          "(one host bool per request: still processing its prompt), got None")
-    kind = arrays.kind_of(is_prefilling)
-    if kind not in (arrays.NUMPY, arrays.TORCH_CPU):
+    kind = kind_of(is_prefilling)
+    if kind not in HOST_KINDS:
         raise TypeError("is_prefilling: expected a host bool array (numpy or torch CPU), got "
-                        f"{arrays.describe(is_prefilling)}")
-    arrays.check(arrays.probe("is_prefilling", is_prefilling), (np.dtype(np.bool_),), 1,
+                        f"{describe(is_prefilling)}")
+    checks.check(probe("is_prefilling", is_prefilling), (np.dtype(np.bool_),), 1,
                  min_len=num_reqs)
-    return arrays.host_view(is_prefilling, kind)[:num_reqs]
+    return host.host_view(is_prefilling, kind)[:num_reqs]
 
 
 def split_host(qsl: np.ndarray, threshold: int, require_uniform: bool,

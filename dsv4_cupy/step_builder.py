@@ -7,34 +7,29 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, geometry, params
-from .arrays import BOOL, INT32, INT64
-from .builder import DeepseekV4MetadataBuilder
-from .c4a import fill_short_context_topk_indices
-from .combine import build_c128a_combined_prefill_rows, combined_width
+from . import checks, host, keys
+from .combine import PlanChunk, combined_width, prefill_combine_launches
 from .families import SLOT_MAPPING_AXIS
-from .indexer import build_indexer_decode_metadata, build_indexer_prefill_chunk_metadata
+from .geometry import WARP_LANES
+from .group import MAX_CACHED_VIEWS, KVCacheGroup, Split, StepArrays
+from .indexer_decode import indexer_decode_launch
+from .indexer_prefill import indexer_prefill_launch
+from .kinds import BOOL, GPU_KINDS, HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
 from .metadata import CommonAttentionMetadata, exported_to_torch
-from .prefill_plan import compute_prefill_gather_lens, get_prefill_chunk_plan
-from .prepared import PlanCache, PreparedCall
+from .params import QueryLayout, SlotGeometry
+from .prefill_gather import gather_lens_launch
+from .prefill_plan import get_prefill_chunk_plan
+from .prepared import PreparedCall, PreparedCalls
 from .scalars import check_int
-from .slot_mapping import get_compressed_slot_mapping
-from .split import host_prefilling as host_prefilling_view
-from .spec import (INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE, SWA_WINDOW_SIZE,
-                   active_width_unchecked, cdiv)
-from .step_kernel import step_plan
-from .swa import compute_swa_indices_and_lens
+from .short_context import short_context_launch
+from .slot_mapping import slot_mapping_launch
+from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
+                   PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
+from .step_kernel import step_launch
+from .swa import swa_launch
 
 #: The KV-cache groups of a DeepSeek-V4 step, as ``build`` takes them.
 GROUPS = ("swa", "c4a", "indexer", "c128a")
-#: Compress ratio of the C4A layers and of their indexer's cache.
-C4A_RATIO = 4
-#: vLLM's ``PREFILL_CHUNK_SIZE``: requests' worth of gathered workspace per chunk.
-DEFAULT_PREFILL_CHUNK_SIZE = 4
-#: SWA-cache rows per block (DeepSeek-V4's sliding-window cache).
-SWA_BLOCK_SIZE = 64
-_MAX_CACHED_STEPS = 256
-_MAX_CACHED_VIEWS = 2048
 #: The C128A group's results (its other fields are the caller's arrays).
 _C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
                   "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
@@ -107,9 +102,38 @@ class DeepseekV4StepMetadata:
         return exported_to_torch(self)
 
 
+@dataclass
+class ChunkPlans:
+    """A step's prefill chunk plans (``get_prefill_chunk_plan``) placed in its rows."""
+
+    c128a: list          # [PlanChunk] of the C128A layers
+    swa: list            # [PlanChunk] of the SWA-only layers
+
+
+@dataclass
+class StepPlan:
+    """A step's checked arrays and host decisions: everything a build launches from."""
+
+    cms: dict                    # the groups' CommonAttentionMetadata
+    arrays: StepArrays           # the C128A group's (the step's shared query layout)
+    tables: dict                 # group -> its probed block table
+    swa_slot_mapping: Operand    # the SWA group's slot mapping (its tokens' validity)
+    split: Split
+    width: int                   # C128A columns written
+    c128a_tokens: int            # tokens whose C128A rows are written
+    valid_tokens: int
+    compressed: int              # the indexer's compressed rows over the prefills
+    chunks: ChunkPlans | None    # with combined_prefill and prefills
+    short_context: bool          # the C4A short-context rows are built
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arrays.num_tokens
+
+
 class DeepseekV4StepMetadataBuilder:
     """Builds every KV-cache group's metadata of a DeepSeek-V4 step: on the GPU
-    one kernel launch per ``build`` (``kernels/step.cu``), on the CPU the single
+    one kernel launch per ``build`` (``kernels/step.cuh``), on the CPU the single
     ops in turn. Each output equals the composition of the single ops.
 
     ``build`` takes each group's ``CommonAttentionMetadata`` as vLLM hands it
@@ -118,7 +142,7 @@ class DeepseekV4StepMetadataBuilder:
     (``query_start_loc``, ``seq_lens``, ``positions``, counts); each has its
     own ``block_table_tensor`` and ``slot_mapping`` (read for the SWA and
     C128A groups; the C4A and indexer compressed slot mappings come from
-    their block tables, as the seed builder's do). A step with prefills
+    their block tables, as vLLM's builders do). A step with prefills
     needs ``seq_lens_cpu`` (host) on the C128A group's metadata: the chunk
     plans and the indexer's compressed-row count are host decisions.
 
@@ -148,7 +172,7 @@ class DeepseekV4StepMetadataBuilder:
         ``PREFILL_CHUNK_SIZE`` of the chunk plan (4).
     max_num_compressed : int, optional
         Length of the indexer's ``token_to_seq`` buffer (default
-        ``40 * max_model_len // 4``, upstream's workspace).
+        ``40 * max_model_len // 4``, vLLM's workspace).
     like, device
         As for ``DeepseekV4MetadataBuilder``.
     """
@@ -158,33 +182,30 @@ class DeepseekV4StepMetadataBuilder:
                  window_size: int = SWA_WINDOW_SIZE, index_topk: int = INDEX_TOPKS[0],
                  num_speculative_tokens: int = 0, treat_short_extends_as_decodes: bool = True,
                  width_policy: str = "active", combined_prefill: bool = False,
-                 prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+                 prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
                  max_num_compressed: int | None = None, like="numpy", device: int | None = None):
-        self.c128a_builder = DeepseekV4MetadataBuilder(
-            128, max_model_len, max_num_batched_tokens, block_size=block_size,
+        group = self.c128a_group = KVCacheGroup(
+            C128A_RATIO, max_model_len, max_num_batched_tokens, block_size=block_size,
             index_topk=index_topk, num_speculative_tokens=num_speculative_tokens,
             treat_short_extends_as_decodes=treat_short_extends_as_decodes,
             width_policy=width_policy, like=like, device=device)
-        base = self.c128a_builder
-        self.kind, self.device = base.kind, base.device
-        self.max_model_len, self.max_num_batched_tokens = base.max_model_len, base.max_num_batched_tokens
+        self.kind, self.device = group.kind, group.device
+        self.max_model_len = group.max_model_len
+        self.max_num_batched_tokens = group.max_num_batched_tokens
         self.swa_block_size = check_int("swa_block_size", swa_block_size, minimum=1,
                                         maximum=MAX_BLOCK_SIZE)
-        self.window_size = arrays.check_row_width("window_size", window_size, minimum=1)
-        self.index_topk = base.topk_tokens
+        self.window_size = checks.check_row_width("window_size", window_size, minimum=1)
+        self.index_topk = group.topk_tokens
         self.c4a_block_size = check_int("block_size", block_size, minimum=C4A_RATIO) // C4A_RATIO
         self.combined_prefill = bool(combined_prefill)
         self.prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, minimum=1)
         self.max_num_compressed = check_int(
             "max_num_compressed", 40 * self.max_model_len // C4A_RATIO
             if max_num_compressed is None else max_num_compressed, minimum=1)
-        self.max_blocks = cdiv(self.max_model_len, base.block_size)
+        self.max_blocks = cdiv(self.max_model_len, group.block_size)
         n, W = self.max_num_batched_tokens, self.window_size
 
-        def buffer(shape, dtype, value):
-            return arrays.full_like_kind(base.req_id_per_token_buffer, shape, dtype, value,
-                                         self.device)
-
+        buffer = group.new_buffer
         self.is_valid_token_buffer = buffer((n,), BOOL, 0)
         self.swa_indices_buffer = buffer((n, 1, W), INT32, -1)
         self.swa_lens_buffer = buffer((n,), INT32, 0)
@@ -200,24 +221,24 @@ class DeepseekV4StepMetadataBuilder:
         self.c128a_combined_buffers = self.swa_combined_buffers = None
         if self.combined_prefill:
             self.c128a_combined_buffers = (
-                buffer((n, combined_width(base.capacity, W)), INT32, -1), buffer((n,), INT32, 0))
+                buffer((n, combined_width(group.capacity, W)), INT32, -1), buffer((n,), INT32, 0))
             self.swa_combined_buffers = (buffer((n, combined_width(0, W)), INT32, -1),
                                          buffer((n,), INT32, 0))
         self.short_context_buffer = buffer((n, self.index_topk), INT32, -1)
         buffers = self.buffers()
-        owned = [arrays.probe(f"the builder's {name}", x) for name, x in buffers.items()]
-        self._owned = arrays.OwnedBuffers(owned)
-        self._ptr = {id(x): op.ptr for x, op in zip(buffers.values(), owned)}
-        self._prepared = (PlanCache(_MAX_CACHED_STEPS) if self.kind in arrays.GPU_KINDS
-                          else None)
+        self._owned = checks.OwnedBuffers([probe(f"the builder's {name}", x)
+                                           for name, x in buffers.items()])
+        # Each buffer probed once, as the launches name it (the SWA rows without the head axis).
+        self._ops = {id(x): probe(name, x[:, 0] if x is self.swa_indices_buffer else x)
+                     for name, x in buffers.items() if not name.startswith("c128a_group.")}
+        self._prepared = PreparedCalls() if self.kind in GPU_KINDS else None
         self._captured = None
-        self._views = arrays.ViewCache(_MAX_CACHED_VIEWS)
+        self._views = keys.ViewCache(MAX_CACHED_VIEWS)
         # The checks of steps that took the full path, by _layout_key(cms) (GPU).
-        self._checked = PlanCache(_MAX_CACHED_STEPS) if self._prepared is not None else None
+        self._checked = PreparedCalls() if self._prepared is not None else None
 
     def buffers(self) -> dict:
-        """Every persistent buffer the builds write, by name (the C128A group's
-        builder's too)."""
+        """Every persistent buffer the builds write, by name (the C128A group's too)."""
         out = {"is_valid_token_buffer": self.is_valid_token_buffer,
                "swa_indices_buffer": self.swa_indices_buffer,
                "swa_lens_buffer": self.swa_lens_buffer,
@@ -234,12 +255,13 @@ class DeepseekV4StepMetadataBuilder:
             arrays_of_group = getattr(self, group)
             if arrays_of_group is not None:
                 out.update((f"{group}[{name}]", x) for name, x in zip(names, arrays_of_group))
-        base = self.c128a_builder
-        for name in ("req_id_per_token_buffer", "compressed_slot_mapping_buffer",
-                     "c128a_global_decode_buffer", "c128a_decode_lens_buffer",
-                     "c128a_prefill_buffer"):
-            out[f"c128a_builder.{name}"] = getattr(base, name)
+        for name, x in self.c128a_group.buffers().items():
+            out[f"c128a_group.{name}"] = x
         return out
+
+    def _op(self, buffer) -> Operand:
+        """A persistent buffer of this builder, as probed once."""
+        return self._ops[id(buffer)]
 
     # --- the public build --------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: dict,
@@ -275,7 +297,7 @@ class DeepseekV4StepMetadataBuilder:
         ``num_reqs``, ``num_actual_tokens`` and the buffers' addresses.
         ``check_replay`` says whether a step fits the capture."""
         cm = self._group_metadata(common_attn_metadata)["c128a"]
-        self.c128a_builder.check_capturable(cm)
+        self.c128a_group.check_capturable(cm)
         key = self._step_key(common_attn_metadata, True)    # before anything is recorded
         if key is None:
             raise ValueError("common_attn_metadata: a captured build needs device arrays, every "
@@ -296,7 +318,7 @@ class DeepseekV4StepMetadataBuilder:
                              "build_for_cudagraph_capture inside the graph capture first)")
         cms = self._group_metadata(common_attn_metadata)
         key, num_reqs, num_tokens = captured
-        self.c128a_builder.check_captured_shape(cms["c128a"], num_reqs, num_tokens)
+        self.c128a_group.check_captured_shape(cms["c128a"], num_reqs, num_tokens)
         if self._step_key(cms, True) != key:
             raise ValueError("common_attn_metadata: expected the arrays the graph was captured "
                              "with (same addresses, shapes, strides and dtypes); refresh them "
@@ -334,41 +356,35 @@ class DeepseekV4StepMetadataBuilder:
                     or other.seq_lens is not cm.seq_lens or other.num_reqs != cm.num_reqs \
                     or other.num_actual_tokens != cm.num_actual_tokens:
                 return None
-        return self.c128a_builder._step_key(cm, swa.block_table_tensor, swa.slot_mapping,
-                                            c4a.block_table_tensor, indexer.block_table_tensor)
+        return self.c128a_group.step_key(cm, swa.block_table_tensor, swa.slot_mapping,
+                                         c4a.block_table_tensor, indexer.block_table_tensor)
 
     def _launch_key(self, cm, layout, capturing: bool):
         """The prepared launch's key of a step whose checks are under ``layout``:
         a uniform decode step only (None for one with prefills)."""
-        if layout is None or not self.c128a_builder.uniform_decode(cm):
+        if layout is None or not self.c128a_group.uniform_decode(cm):
             return None
-        return layout, self._width(cm, capturing), self._short_context(cm, capturing), capturing
+        return (layout, self.c128a_group.width(cm.max_seq_len, capturing),
+                self._short_context(cm, capturing), capturing)
 
     def _step_key(self, cms: dict, capturing: bool):
         """``_launch_key`` of a step, from its groups' metadata."""
         layout = self._layout_key(cms)
         return None if layout is None else self._launch_key(cms["c128a"], layout, capturing)
 
-    def _width(self, cm, capturing: bool) -> int:
-        """C128A columns written (``max_seq_len`` an int >= 0): the capacity in a
-        captured build (a step's live width varies), else the builder's width
-        policy."""
-        base = self.c128a_builder
-        if capturing or base.width_policy == "capacity":
-            return base.capacity
-        return active_width_unchecked(cm.max_seq_len, base.capacity)
-
     def _short_context(self, cm, capturing: bool) -> bool:
         return not capturing and cm.num_actual_tokens > 0 and \
             cm.max_seq_len // C4A_RATIO <= self.index_topk
 
-    def _check_groups(self, cms: dict, ops128) -> dict:
+    def _check_groups(self, cms: dict, arrays: StepArrays) -> tuple[dict, Operand]:
         """The other groups' arrays: the C128A group's query layout, their own
-        tables and slot mappings. Returns ``{group: {name: Operand}}``."""
-        cm128 = cms["c128a"]
+        tables and the SWA group's slot mapping. Returns ``({group: probed
+        block table}, probed SWA slot mapping)``."""
+        cm128, ops128 = cms["c128a"], arrays.ops
         # Every section reads the shared layout of every request.
-        arrays.check(ops128["seq_lens"], (INT32,), 1, min_len=cm128.num_reqs)
-        probed = {}
+        checks.check(ops128["seq_lens"], (INT32,), 1, min_len=cm128.num_reqs)
+        tables = {"c128a": ops128["block_table_tensor"]}
+        swa_slots = None
         for group in ("swa", "c4a", "indexer"):
             cm = cms[group]
             if (cm.num_reqs, cm.num_actual_tokens) != (cm128.num_reqs, cm128.num_actual_tokens):
@@ -384,14 +400,14 @@ class DeepseekV4StepMetadataBuilder:
             if cm.block_table_tensor is None:
                 raise TypeError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
                                 f"an int32 array [num_reqs, max_blocks], got None")
-            kind, device, ops = arrays.probe_all({
+            kind, device, ops = probe_all({
                 **{f"{group}.{name}": getattr(cm, name) for name in layout},
                 f"{group}.block_table_tensor": cm.block_table_tensor,
                 f"{group}.slot_mapping": cm.slot_mapping if group == "swa" else None})
             if (kind, device) != (self.kind, self.device):
                 raise TypeError(f"common_attn_metadata[{group!r}]: expected arrays like the "
-                                f"builder's buffers ({arrays.describe(self.swa_lens_buffer)}), "
-                                f"got {arrays.describe(cm.block_table_tensor)}")
+                                f"builder's buffers ({describe(self.swa_lens_buffer)}), "
+                                f"got {describe(cm.block_table_tensor)}")
             for name in layout:
                 mine, shared = ops[f"{group}.{name}"], ops128[name]
                 if (mine.ptr, mine.shape, mine.strides, mine.dtype) != \
@@ -400,109 +416,116 @@ class DeepseekV4StepMetadataBuilder:
                                      f"array the C128A group has (the groups share the query "
                                      f"layout)")
             table = ops[f"{group}.block_table_tensor"]
-            arrays.check(table, (INT32,), 2)
+            checks.check(table, (INT32,), 2)
             if table.shape[0] > cm.num_reqs:
                 raise ValueError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
                                  f"at most num_reqs ({cm.num_reqs}) rows, got shape "
                                  f"{tuple(table.shape)}")
-            probed[group] = ops
-        slots = probed["swa"]["swa.slot_mapping"]
-        arrays.check(slots, SLOT_MAPPING_AXIS[1], 1, min_len=cm128.num_actual_tokens)
-        if slots.dtype != ops128["slot_mapping"].dtype:
+            tables[group] = table
+            if group == "swa":
+                swa_slots = ops["swa.slot_mapping"]
+        checks.check(swa_slots, SLOT_MAPPING_AXIS.values, 1, min_len=cm128.num_actual_tokens)
+        if swa_slots.dtype != ops128["slot_mapping"].dtype:
             raise TypeError(f"common_attn_metadata['swa'].slot_mapping: expected the C128A "
-                            f"group's dtype {ops128['slot_mapping'].dtype}, got {slots.dtype}")
-        indexer_table = probed["indexer"]["indexer.block_table_tensor"]
-        if indexer_table.shape[1] > self.max_blocks:
+                            f"group's dtype {ops128['slot_mapping'].dtype}, got {swa_slots.dtype}")
+        if tables["indexer"].shape[1] > self.max_blocks:
             raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected at "
                              f"most {self.max_blocks} columns (cdiv(max_model_len, block_size)),"
-                             f" got shape {tuple(indexer_table.shape)}")
-        return probed
+                             f" got shape {tuple(tables['indexer'].shape)}")
+        return tables, swa_slots
 
-    def _prefill_plans(self, cm, host_qsl, num_decodes: int, num_prefills: int,
-                       num_prefill_tokens: int):
-        """``(c128a plan, swa plan, compressed rows of the indexer)`` from host data."""
+    def _prefill_plans(self, cm, host_qsl, split: Split) -> tuple[ChunkPlans | None, int]:
+        """``(chunk plans, compressed rows of the indexer)`` from host data."""
+        num_decodes, num_prefills = split.num_decodes, split.num_prefills
         if not num_prefills:
-            return None, None, 0
+            return None, 0
         if cm.seq_lens_cpu is None:
             raise ValueError("common_attn_metadata['c128a'].seq_lens_cpu: required for a step "
                              "with prefills (the chunk plans and the indexer's row count are "
                              "host decisions), got None")
-        seq_cpu = arrays.probe("seq_lens_cpu", cm.seq_lens_cpu)
-        if seq_cpu.kind not in (arrays.NUMPY, arrays.TORCH_CPU):
+        seq_cpu = probe("seq_lens_cpu", cm.seq_lens_cpu)
+        if seq_cpu.kind not in HOST_KINDS:
             raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
-                            f"{arrays.describe(cm.seq_lens_cpu)}")
-        arrays.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
+                            f"{describe(cm.seq_lens_cpu)}")
+        checks.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
         # Python ints: a handful of requests costs less than numpy calls.
         end = num_decodes + num_prefills
-        seq = arrays.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:end].tolist()
+        seq = host.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:end].tolist()
         starts = host_qsl[num_decodes:end + 1].tolist()
         queries = [b - a for a, b in zip(starts, starts[1:])]
-        if min(queries) < 0 or sum(queries) > num_prefill_tokens:
+        if min(queries) < 0 or sum(queries) > split.num_prefill_tokens:
             raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
                              f"lengths >= 0 and at most num_prefill_tokens="
-                             f"{num_prefill_tokens} in all, got {queries}")
+                             f"{split.num_prefill_tokens} in all, got {queries}")
         compressed = sum(max(length // C4A_RATIO, 0) for length in seq)
         if compressed > self.max_num_compressed:
             raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
                              f"{self.max_num_compressed} compressed indexer rows over the "
                              f"prefills, got {compressed}")
         if not self.combined_prefill:
-            return None, None, compressed
+            return None, compressed
         plan_args = (self.prefill_chunk_size, self.window_size, self.max_model_len,
                      self.max_num_batched_tokens)
-        plans = (get_prefill_chunk_plan(seq, queries, 128, *plan_args),
+        plans = (get_prefill_chunk_plan(seq, queries, C128A_RATIO, *plan_args),
                  get_prefill_chunk_plan(seq, queries, 1, *plan_args))
         for plan in plans:
             for start, end, _, M in plan:
                 if M * (end - start) > np.iinfo(np.int32).max:
                     raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
                                      f"per request, {end - start} requests) exceeds int32")
-        return plans[0], plans[1], compressed
+        first = starts[0]
+        placed = []
+        for plan in plans:
+            # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
+            chunks = [PlanChunk(start, end, N, M, starts[start] - first, starts[end] - first)
+                      for start, end, N, M in plan]
+            chunks[-1] = chunks[-1]._replace(end_row=split.num_prefill_tokens)
+            placed.append(chunks)
+        return ChunkPlans(*placed), compressed
 
     # --- the build ---------------------------------------------------------------------------
-    def _build_checked(self, common_attn_metadata, capturing: bool) -> DeepseekV4StepMetadata:
+    def _plan(self, common_attn_metadata, capturing: bool) -> StepPlan:
+        """Check the step (reusing the checks of an earlier step with the same
+        layouts, GPU) and make its host decisions."""
         cms = self._group_metadata(common_attn_metadata)
-        base, cm = self.c128a_builder, cms["c128a"]
+        group, cm = self.c128a_group, cms["c128a"]
         # A step with prefills makes its host decisions every time; the checks of
         # its arrays are those of the last step with the same layouts (GPU).
         layout = self._layout_key(cms) if self._prepared is not None else None
         checked = self._checked.get(layout) if layout is not None else None
         if checked is None:
-            num_tokens, qsl_cpu, ops128 = base._check_step(cm)
-            groups = self._check_groups(cms, ops128)
-            self._owned.check_inputs([*ops128.values(),
-                                      *(op for ops in groups.values() for op in ops.values())])
+            arrays = group.check_step(cm)
+            tables, swa_slots = self._check_groups(cms, arrays)
+            self._owned.check_inputs([*arrays.ops.values(), *tables.values(), swa_slots])
             if layout is not None:
-                self._checked.put(layout, (num_tokens, qsl_cpu, ops128, groups))
+                self._checked.put(layout, (arrays, tables, swa_slots))
         else:
-            num_tokens, qsl_cpu, ops128, groups = checked
-        host_qsl = arrays.host_view(qsl_cpu.array, qsl_cpu.kind)
-        host_prefilling = None
-        if not base.treat_short_extends_as_decodes and cm.num_reqs:
-            host_prefilling = host_prefilling_view(cm.is_prefilling, cm.num_reqs)
-        split = base._split(cm, host_qsl, host_prefilling)
-        num_decodes, num_prefills, nd, np_tokens = split
-        indexer_rows = groups["indexer"]["indexer.block_table_tensor"].shape[0]
-        if indexer_rows < num_decodes:
+            arrays, tables, swa_slots = checked
+        host_qsl = arrays.host_query_start_loc
+        split = group.split(cm, host_qsl, group.prefilling(cm))
+        if tables["indexer"].shape[0] < split.num_decodes:
             raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected a "
-                             f"row for each of the {num_decodes} decode requests, got "
-                             f"{indexer_rows} rows")
-        c128a_plan, swa_plan, compressed = self._prefill_plans(cm, host_qsl, num_decodes,
-                                                               num_prefills, np_tokens)
-        short = self._short_context(cm, capturing)
-        # The combined rows replace the C128A local prefill rows: those are not written.
-        c128a_tokens = nd if self.combined_prefill else nd + np_tokens
-        width = self._width(cm, capturing) if nd + np_tokens else 0
-        valid_tokens = base._valid_tokens(cm, host_qsl)
-        views = base._result_views(num_tokens, nd, np_tokens, width)
-        step = dict(cms=cms, ops128=ops128, groups=groups, split=split, width=width,
-                    num_tokens=num_tokens, c128a_plan=c128a_plan, swa_plan=swa_plan,
-                    compressed=compressed, short=short, host_qsl=host_qsl)
-        metadata = self._metadata(cm, split, views, step)
-        if self.kind in arrays.GPU_KINDS:
-            key = self._launch_key(cm, layout, capturing)
-            call = PreparedCall(self._plans(step, c128a_tokens, valid_tokens), self.kind,
-                                self.device, metadata,
+                             f"row for each of the {split.num_decodes} decode requests, got "
+                             f"{tables['indexer'].shape[0]} rows")
+        chunks, compressed = self._prefill_plans(cm, host_qsl, split)
+        nd, np_tokens = split.num_decode_tokens, split.num_prefill_tokens
+        return StepPlan(
+            cms=cms, arrays=arrays, tables=tables, swa_slot_mapping=swa_slots, split=split,
+            width=group.width(cm.max_seq_len, capturing) if nd + np_tokens else 0,
+            # The combined rows replace the C128A local prefill rows: those are not written.
+            c128a_tokens=nd if self.combined_prefill else nd + np_tokens,
+            valid_tokens=group.valid_tokens(cm, host_qsl), compressed=compressed, chunks=chunks,
+            short_context=self._short_context(cm, capturing))
+
+    def _build_checked(self, common_attn_metadata, capturing: bool) -> DeepseekV4StepMetadata:
+        plan = self._plan(common_attn_metadata, capturing)
+        cm = plan.cms["c128a"]
+        metadata = self._metadata(plan)
+        launches = self._launches(plan)
+        if self.kind in GPU_KINDS:
+            key = self._launch_key(cm, self._layout_key(plan.cms), capturing)
+            call = PreparedCall(tuple(launch.prepare(self.device) for launch in launches
+                                      if launch.blocks), self.kind, self.device, metadata,
                                 owned=_arrays_of(metadata) if key is not None else ())
             if not call.run():
                 raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
@@ -510,20 +533,77 @@ class DeepseekV4StepMetadataBuilder:
             if key is not None:
                 self._prepared.put(key, (call, metadata))
         else:
-            base._run_cpu(cm, num_tokens, c128a_tokens, nd, width, valid_tokens)
-            self._run_ops(metadata, step)
+            for launch in launches:
+                launch.run_cpu()
         return metadata
 
-    def _metadata(self, cm, split, views, step) -> DeepseekV4StepMetadata:
+    def _launches(self, plan: StepPlan) -> list:
+        """The step kernel with every section this step needs (a prefill plan
+        longer than ``params.MAX_PLAN_CHUNKS`` chunks adds launches of its combine)."""
+        group, cm, split = self.c128a_group, plan.cms["c128a"], plan.split
+        ops = plan.arrays.ops
+        qsl, seq = ops["query_start_loc"], ops["seq_lens"]
+        device = self.device if self.kind in GPU_KINDS else -1
+        T, W, nd = plan.num_tokens, self.window_size, split.num_decode_tokens
+        num_decodes, num_prefills = split.num_decodes, split.num_prefills
+        op = self._op
+        sections = group.sections(cm, plan.arrays, split, plan.width, plan.c128a_tokens,
+                                  plan.valid_tokens)
+        sections["swa"] = swa_launch(
+            QueryLayout(qsl, seq, cm.num_reqs), plan.tables["swa"],
+            group.buffer_operand("req_id_per_token_buffer"), op(self.is_valid_token_buffer),
+            op(self.swa_indices_buffer), op(self.swa_lens_buffer), W, self.swa_block_size, 0, T,
+            T, device, lanes=WARP_LANES)
+        c4a_geometry = SlotGeometry(block_size=self.c4a_block_size, ratio=C4A_RATIO,
+                                    cp_world_size=1, cp_rank=0, cp_interleave=1)
+        for name, buffer in (("c4a", self.c4a_slot_mapping_buffer),
+                             ("indexer", self.indexer_slot_mapping_buffer)):
+            sections[f"{name}_slots"] = slot_mapping_launch(qsl, seq, plan.tables[name],
+                                                            c4a_geometry, op(buffer), T)
+        sections["indexer_decode"] = indexer_decode_launch(
+            QueryLayout(qsl, seq, num_decodes), plan.tables["indexer"],
+            *map(op, self.indexer_decode_buffers), nd, C4A_RATIO)
+        extra = []
+        if num_prefills:
+            sections["gather"] = gather_lens_launch(QueryLayout(qsl, seq, cm.num_reqs),
+                                                    op(self.prefill_gather_lens_buffer),
+                                                    num_decodes, num_prefills, W)
+            end = num_decodes + num_prefills
+            sections["indexer_prefill"] = indexer_prefill_launch(
+                QueryLayout(checks.rows_of(qsl, num_decodes, end + 1),
+                            checks.rows_of(seq, num_decodes, end), num_prefills),
+                *map(op, self.indexer_prefill_buffers), plan.compressed, C4A_RATIO, 0,
+                split.num_prefill_tokens)
+            if plan.chunks is not None:
+                for name, chunks, buffers, topk, ratio in (
+                        ("c128a_combine", plan.chunks.c128a, self.c128a_combined_buffers,
+                         plan.width, C128A_RATIO),
+                        ("swa_combine", plan.chunks.swa, self.swa_combined_buffers, 0, 0)):
+                    pieces = prefill_combine_launches(qsl, seq, num_decodes, chunks,
+                                                      *map(op, buffers), W, ratio, topk, device)
+                    sections[name] = pieces[0]
+                    extra += [(name, piece) for piece in pieces[1:]]
+        if plan.short_context:
+            sections["short_context"] = short_context_launch(
+                ops["positions"], op(self.short_context_buffer), self.index_topk, C4A_RATIO, T,
+                device, lanes=WARP_LANES)
+        variant = group.step_variant(plan.arrays)
+        return [step_launch(variant, sections, plan.swa_slot_mapping,
+                            checks.rows_of(op(self.is_valid_token_buffer), 0, T)),
+                *(step_launch(variant, {name: piece}) for name, piece in extra)]
+
+    def _metadata(self, plan: StepPlan) -> DeepseekV4StepMetadata:
+        cm, split = plan.cms["c128a"], plan.split
         num_decodes, num_prefills, nd, np_tokens = split
-        T, view = step["num_tokens"], self._views.get
-        c128a = self.c128a_builder._metadata(cm, split, views)
+        T, view = plan.num_tokens, self._views.get
+        c128a = self.c128a_group.metadata(cm, split, self.c128a_group.result_views(
+            T, split, plan.width))
         if self.combined_prefill:
             c128a.c128a_prefill_topk_indices = None
         swa_rows, swa_lens = self.swa_indices_buffer, self.swa_lens_buffer
         context, req_ids, decode_lens, block_rows = self.indexer_decode_buffers
         cu, token_to_seq, ks, ke = self.indexer_prefill_buffers
-        cols = step["groups"]["indexer"]["indexer.block_table_tensor"].shape[1]
+        cols = plan.tables["indexer"].shape[1]
         out = DeepseekV4StepMetadata(
             num_reqs=cm.num_reqs, num_actual_tokens=T, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, num_decodes=num_decodes, num_prefills=num_prefills,
@@ -543,196 +623,23 @@ class DeepseekV4StepMetadataBuilder:
         if num_prefills:
             out.prefill_gather_lens = view(self.prefill_gather_lens_buffer, 0, num_prefills)
             out.indexer_cu_compressed = view(cu, 0, num_prefills + 1)
-            out.indexer_token_to_seq = view(token_to_seq, 0, step["compressed"])
+            out.indexer_token_to_seq = view(token_to_seq, 0, plan.compressed)
             out.indexer_cu_seqlen_ks = view(ks, 0, np_tokens)
             out.indexer_cu_seqlen_ke = view(ke, 0, np_tokens)
-            if self.combined_prefill:
-                out.c128a_prefill_chunks, out.swa_prefill_chunks = step["c128a_plan"], step["swa_plan"]
+            if plan.chunks is not None:
+                out.c128a_prefill_chunks = [chunk[:4] for chunk in plan.chunks.c128a]
+                out.swa_prefill_chunks = [chunk[:4] for chunk in plan.chunks.swa]
                 rows, lens = self.c128a_combined_buffers
                 out.c128a_combined_indices = view(
-                    rows, 0, np_tokens, combined_width(step["width"], self.window_size))
+                    rows, 0, np_tokens, combined_width(plan.width, self.window_size))
                 out.c128a_combined_lens = view(lens, 0, np_tokens)
                 rows, lens = self.swa_combined_buffers
                 out.swa_combined_indices = view(rows, 0, np_tokens,
                                                 combined_width(0, self.window_size))
                 out.swa_combined_lens = view(lens, 0, np_tokens)
-        if step["short"]:
+        if plan.short_context:
             out.c4a_short_context_topk_indices = view(self.short_context_buffer, 0, T)
         return out
-
-    def _run_ops(self, out: DeepseekV4StepMetadata, step) -> None:
-        """The CPU path: the single ops in turn, into the builder's buffers."""
-        cms, T = step["cms"], step["num_tokens"]
-        num_decodes, num_prefills, nd, np_tokens = step["split"]
-        cm = cms["c128a"]
-        qsl, seq = cm.query_start_loc, cm.seq_lens
-        view = arrays.kernel_view
-        valid = view(self.is_valid_token_buffer, self.kind)[:T]
-        np.greater_equal(view(cms["swa"].slot_mapping, self.kind)[:T], 0, out=valid)
-        compute_swa_indices_and_lens(
-            self.window_size, qsl, seq, out.req_id_per_token, out.is_valid_token,
-            cms["swa"].block_table_tensor, self.swa_block_size, 0, T,
-            out=(self.swa_indices_buffer, self.swa_lens_buffer))
-        for group, buffer in (("c4a", self.c4a_slot_mapping_buffer),
-                              ("indexer", self.indexer_slot_mapping_buffer)):
-            get_compressed_slot_mapping(T, qsl, seq, cms[group].block_table_tensor,
-                                        self.c4a_block_size, C4A_RATIO, out=buffer)
-        build_indexer_decode_metadata(qsl[:num_decodes + 1], seq, cms["indexer"].block_table_tensor,
-                                      nd, C4A_RATIO, out=self.indexer_decode_buffers)
-        if num_prefills:
-            compute_prefill_gather_lens(qsl, seq, num_decodes, num_prefills, self.window_size,
-                                        out=self.prefill_gather_lens_buffer)
-            prefill_qsl = qsl[num_decodes:num_decodes + num_prefills + 1]
-            build_indexer_prefill_chunk_metadata(
-                prefill_qsl, seq[num_decodes:], C4A_RATIO, 0, np_tokens,
-                num_compressed=step["compressed"], out=self.indexer_prefill_buffers)
-            if self.combined_prefill:
-                for _, plan, buffers, topk, ratio in self._combined_layer_types(step):
-                    self._combine_chunks(step, num_decodes, buffers, plan, topk, ratio)
-        if step["short"]:
-            fill_short_context_topk_indices(cm.positions, self.index_topk, C4A_RATIO, T,
-                                            out=self.short_context_buffer)
-
-    def _combined_layer_types(self, step) -> tuple:
-        """``(step-kernel section, plan, (rows, lens) buffers, topk, ratio)`` of the
-        C128A and the SWA-only layers' combined rows."""
-        return (("c128a_combine", step["c128a_plan"], self.c128a_combined_buffers,
-                 step["width"], 128),
-                ("swa_combine", step["swa_plan"], self.swa_combined_buffers, 0, 0))
-
-    @staticmethod
-    def _chunk_rows(step, num_decodes: int, plan) -> list[tuple]:
-        """``(start, end, N, M, t0, t1)`` per chunk: its prefill rows ``[t0, t1)``;
-        the last chunk also takes the step's padding rows (all -1, length 0)."""
-        host_qsl, num_prefill_tokens = step["host_qsl"], step["split"][3]
-        first = int(host_qsl[num_decodes])
-        rows = [(start, end, N, M, int(host_qsl[num_decodes + start]) - first,
-                 int(host_qsl[num_decodes + end]) - first) for start, end, N, M in plan]
-        if rows:
-            rows[-1] = rows[-1][:5] + (num_prefill_tokens,)
-        return rows
-
-    def _combine_chunks(self, step, num_decodes, buffers, plan, topk, ratio) -> None:
-        cm = step["cms"]["c128a"]
-        rows, lens = buffers
-        gather = self.prefill_gather_lens_buffer
-        for start, end, N, M, t0, t1 in self._chunk_rows(step, num_decodes, plan):
-            a, b = num_decodes + start, num_decodes + end
-            build_c128a_combined_prefill_rows(
-                t1 - t0, cm.query_start_loc[a:b + 1], cm.seq_lens[a:b], gather[start:end],
-                self.window_size, ratio, topk, M, N, out=(rows[t0:t1], lens[t0:t1]))
-
-    # --- the GPU launch ----------------------------------------------------------------------
-    def _plans(self, step, c128a_tokens: int, valid_tokens: int) -> tuple:
-        """The step kernel's launch: every section this step needs (a prefill
-        plan longer than params.MAX_PLAN_CHUNKS adds launches of its combine)."""
-        cms, ops128, groups = step["cms"], step["ops128"], step["groups"]
-        base = self.c128a_builder
-        num_decodes, num_prefills, nd, np_tokens = step["split"]
-        T, W = step["num_tokens"], self.window_size
-        ptr = self._ptr
-        query = _requests(ops128, 0, cms["c128a"].num_reqs)
-        values, blocks, variant = base.base_section(cms["c128a"].num_reqs, ops128, T, c128a_tokens,
-                                                    nd, step["width"], valid_tokens)
-        if ops128["positions"] is not None:     # the short-context rows read them too
-            variant = (ops128["positions"].dtype, variant[1])
-        sections = {"base": (values, blocks)}
-        swa_table = groups["swa"]["swa.block_table_tensor"]
-        if T:
-            sections["swa"] = (params.SWA.values(
-                query=query, table=arrays.block_table_group(swa_table), token_to_req=0,
-                is_valid_token=0, indices=ptr[id(self.swa_indices_buffer)],
-                lens=ptr[id(self.swa_lens_buffer)], indices_stride=W, window_size=W,
-                block_size=self.swa_block_size, token_offset=0, num_rows=T,
-                guess_shift=geometry.request_guess_shift(T, cms["c128a"].num_reqs)),
-                geometry.row_lane_blocks(T))
-        n = self.max_num_batched_tokens
-        for group, buffer in (("c4a", self.c4a_slot_mapping_buffer),
-                              ("indexer", self.indexer_slot_mapping_buffer)):
-            table = groups[group][f"{group}.block_table_tensor"]
-            sections[f"{group}_slots"] = (params.SLOT_MAPPING.values(
-                query=_requests(ops128, 0, table.shape[0]), table=arrays.block_table_group(table),
-                geometry=params.SLOT_GEOMETRY.values(block_size=self.c4a_block_size,
-                                                     ratio=C4A_RATIO, cp_world_size=1, cp_rank=0,
-                                                     cp_interleave=1),
-                token_slots=0, out=ptr[id(buffer)], out_len=n, num_tokens=T),
-                geometry.element_blocks(n))
-        context, req_ids, decode_lens, block_rows = (ptr[id(x)] for x in self.indexer_decode_buffers)
-        indexer_table = groups["indexer"]["indexer.block_table_tensor"]
-        sections["indexer_decode"] = (params.INDEXER_DECODE.values(
-            query=_requests(ops128, 0, num_decodes), table=arrays.block_table_group(indexer_table),
-            context_lens=context, req_ids=req_ids,
-            decode_lens=decode_lens, block_rows=block_rows, block_rows_stride=self.max_blocks,
-            num_tokens=nd, context_lens_len=n, ratio=C4A_RATIO),
-            geometry.indexer_decode_blocks(nd, indexer_table.shape[1], n))
-        if num_prefills:
-            sections["gather"] = (params.PREFILL_GATHER.values(
-                query=query, out=ptr[id(self.prefill_gather_lens_buffer)],
-                num_decodes=num_decodes, num_prefills=num_prefills, window_size=W),
-                geometry.elementwise_blocks(num_prefills))
-            cu, token_to_seq, ks, ke = (ptr[id(x)] for x in self.indexer_prefill_buffers)
-            sections["indexer_prefill"] = (params.INDEXER_PREFILL.values(
-                query=_requests(ops128, num_decodes, num_prefills), cu_compressed=cu,
-                token_to_seq=token_to_seq, seqlen_ks=ks,
-                seqlen_ke=ke, num_compressed=step["compressed"], ratio=C4A_RATIO,
-                query_slice_start=0, query_slice_stop=np_tokens),
-                geometry.row_blocks(num_prefills + 1))
-        if step["short"]:
-            positions = ops128["positions"]
-            sections["short_context"] = (params.SHORT_CONTEXT.values(
-                positions=positions.ptr, out=ptr[id(self.short_context_buffer)],
-                out_stride=self.index_topk, top_k=self.index_topk, ratio=C4A_RATIO,
-                num_tokens=T), geometry.row_lane_blocks(T))
-        swa_slots = groups["swa"]["swa.slot_mapping"].ptr
-        valid_out = ptr[id(self.is_valid_token_buffer)]
-        combine_launches = []
-        if num_prefills and self.combined_prefill:
-            combine_launches = self._combine_sections(step, num_decodes, ops128)
-            sections.update(combine_launches.pop(0))
-        plans = [step_plan(self.device, variant, sections, swa_slots, valid_out)]
-        plans += [step_plan(self.device, variant, extra) for extra in combine_launches]
-        return tuple(plan for plan in plans if plan is not None)
-
-    def _combine_sections(self, step, num_decodes, ops128) -> list[dict]:
-        """The combine sections of each launch: at most MAX_PLAN_CHUNKS chunks
-        of each plan per launch."""
-        W, limit = self.window_size, params.MAX_PLAN_CHUNKS
-        launches = []
-        for name, plan, buffers, topk, ratio in self._combined_layer_types(step):
-            rows, lens = buffers
-            width, stride = combined_width(topk, W), rows.shape[1]      # contiguous rows
-            lanes = geometry.combine_lanes(width)
-            chunk_rows = self._chunk_rows(step, num_decodes, plan)
-            for index in range(0, len(chunk_rows), limit):
-                piece = chunk_rows[index:index + limit]
-                a, b = num_decodes + piece[0][0], num_decodes + piece[-1][1]
-                t0, t1 = piece[0][4], piece[-1][5]
-                pad = [0] * (limit - len(piece))
-                values = params.PREFILL_COMBINE.values(
-                    lanes=lanes, rows=params.COMBINE.values(
-                        query=_requests(ops128, a, b - a), gather_lens=0, topk_indices=0,
-                        out=self._ptr[id(rows)] + 4 * t0 * stride,
-                        lens=self._ptr[id(lens)] + 4 * t0, topk_stride=0, out_stride=stride,
-                        width=width, num_tokens=t1 - t0, window_size=W, ratio=ratio, topk=topk,
-                        rows_per_request=0, swa_offset=0),
-                    plan=params.PREFILL_PLAN.values(
-                        chunks=len(piece),
-                        first_request=[chunk[0] - piece[0][0] for chunk in piece] + pad,
-                        rows_per_request=[chunk[3] for chunk in piece] + pad,
-                        swa_offset=[chunk[2] for chunk in piece] + pad))
-                if len(launches) <= index // limit:
-                    launches.append({})
-                launches[index // limit][name] = (values, geometry.row_lane_blocks(t1 - t0, lanes))
-        return launches or [{}]
-
-
-def _requests(ops128, first: int, count: int) -> tuple:
-    """The ``QueryLayout`` values of the step's requests ``[first, first + count)``:
-    the shared int32 ``query_start_loc`` and ``seq_lens`` from request ``first``."""
-    item = INT32.itemsize
-    return params.QUERY_LAYOUT.values(query_start_loc=ops128["query_start_loc"].ptr + item * first,
-                                      seq_lens=ops128["seq_lens"].ptr + item * first,
-                                      num_reqs=count)
 
 
 def _arrays_of(metadata: DeepseekV4StepMetadata) -> tuple:

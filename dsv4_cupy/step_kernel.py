@@ -1,28 +1,33 @@
-"""Launches of the fused step kernel (``kernels/step.cu``): sections by name."""
+"""The fused step kernel (``kernels/step.cuh``): one launch of the sections a
+step needs, each a single family's launch (``launch.Launch``) on its own
+blocks, in the order of ``params.STEP_SECTIONS_OF``. On the CPU its sections'
+kernels run in that order, after the step's own validity pass."""
 from __future__ import annotations
 
-from . import families, params
-from .loader import LaunchPlan
+from . import cpu, families
+from .kinds import BOOL, INT64, Operand
+from .launch import Launch, NoArray
+from .params import STEP_SECTION_NAMES, STEP_SECTIONS, STEP_SECTIONS_OF
 
-_LAYOUTS = dict(params.STEP.fields)
 
-
-def step_plan(device: int, variant: tuple, sections: dict, swa_slot_mapping: int = 0,
-              is_valid_out: int = 0) -> LaunchPlan | None:
-    """The step kernel with ``sections`` on (``name: (values, blocks)``, the
-    section's struct values and its blocks) and every other section off;
-    None when no section has a block."""
-    unknown = set(sections) - set(params.STEP_SECTION_NAMES)
+def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None = None,
+                is_valid_out: Operand | None = None) -> Launch:
+    """The step kernel with ``sections`` on (name: its family's ``Launch``) and
+    every other section off. ``variant`` names the step's positions and
+    slot-mapping dtypes. With an SWA section, its rows' validity comes from
+    ``swa_slot_mapping`` (``>= 0``), written to ``is_valid_out`` (rows of the
+    step's tokens)."""
+    unknown = set(sections) - set(STEP_SECTION_NAMES)
     if unknown:
-        raise KeyError(f"step_plan: no step-kernel section named {sorted(unknown)}")
-    ends, total, fields = {}, 0, {}
-    for name in params.STEP_SECTION_NAMES:
-        values, blocks = sections.get(name, (None, 0))
-        total += blocks
+        raise KeyError(f"step_launch: no step-kernel section named {sorted(unknown)}")
+    inputs, ends, total = {}, {}, 0
+    for name, layout in STEP_SECTIONS_OF:
+        section = sections.get(name)
+        total += section.blocks if section is not None else 0
         ends[name] = total
-        fields[name] = values if values is not None else _LAYOUTS[name].off
-    if not total:
-        return None
-    return families.STEP.plan(device, total, variant, **fields,
-                              sections=params.STEP_SECTIONS.values(**ends),
-                              swa_slot_mapping=swa_slot_mapping, is_valid_out=is_valid_out)
+        inputs[name] = section if section is not None else layout.off
+    inputs.update(sections=STEP_SECTIONS.record(**ends),
+                  swa_slot_mapping=NoArray(INT64) if swa_slot_mapping is None else swa_slot_mapping,
+                  is_valid_out=NoArray(BOOL) if is_valid_out is None else is_valid_out)
+    return Launch(families.STEP, total, inputs, variant=variant, kernel=cpu.step_validity,
+                  parts=tuple(sections[name] for name in STEP_SECTION_NAMES if name in sections))

@@ -1,16 +1,15 @@
 """``compute_swa_indices_and_lens``: the sliding-window (SWA) rows of a step's tokens."""
 from __future__ import annotations
 
-import numpy as np
-
-from . import arrays, cpu, families, geometry, params, validation
-from .arrays import BOOL, INT32
-from .loader import RUN_TIME
-from .prepared import PreparedOp
+from . import checks, cpu, families, geometry, validation
+from .kinds import BOOL, INT32, Operand, probe_all
+from .launch import Launch, table_of
+from .params import QueryLayout
+from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
 
-_PREPARED = PreparedOp("compute_swa_indices_and_lens")
+_OP = PreparedOp("compute_swa_indices_and_lens")
 
 
 def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
@@ -62,68 +61,69 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
     leaves such rows stale); window positions past the table row's blocks are
     -1 and not counted.
     """
-    key, results = _PREPARED.replay(validate, out, window_size, query_start_loc, seq_lens,
-                                    token_to_req_indices, is_valid_token, block_table,
-                                    block_size, token_offset, num_rows)
+    key, results = _OP.replay(validate, out, window_size, query_start_loc, seq_lens,
+                              token_to_req_indices, is_valid_token, block_table, block_size,
+                              token_offset, num_rows)
     if results is not None:
         return results
-    indices_out, lens_out = arrays.out_buffers(out, ("indices", "lens"))
-    kind, device, ops = arrays.probe_all({
+    indices_out, lens_out = checks.out_buffers(out, ("indices", "lens"))
+    kind, device, ops = probe_all({
         "query_start_loc": query_start_loc, "seq_lens": seq_lens,
         "token_to_req_indices": token_to_req_indices, "is_valid_token": is_valid_token,
         "block_table": block_table,
-        "out[0]": arrays.head_axis_dropped("out[0]", indices_out), "out[1]": lens_out})
+        "out[0]": checks.head_axis_dropped("out[0]", indices_out), "out[1]": lens_out})
     qsl, seq, token_to_req, valid, table = (
         ops["query_start_loc"], ops["seq_lens"], ops["token_to_req_indices"],
         ops["is_valid_token"], ops["block_table"])
-    window_size = arrays.check_row_width("window_size", window_size, minimum=1)
+    window_size = checks.check_row_width("window_size", window_size, minimum=1)
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
-    arrays.check(qsl, (INT32,), 1, min_len=1)
-    arrays.check(seq, (INT32,), 1)
-    arrays.check(table, (INT32,), 2)
-    arrays.check(token_to_req, (INT32,), 1)
+    checks.check(qsl, (INT32,), 1, min_len=1)
+    checks.check(seq, (INT32,), 1)
+    checks.check(table, (INT32,), 2)
+    checks.check(token_to_req, (INT32,), 1)
     num_tokens = token_to_req.shape[0]
     token_offset = check_int("token_offset", token_offset, minimum=0, maximum=num_tokens)
     num_rows = check_int("num_rows", num_tokens - token_offset if num_rows is None else num_rows,
                          minimum=0, maximum=num_tokens - token_offset)
-    arrays.check(valid, (BOOL,), 1, min_len=token_offset + num_rows)
-    indices = arrays.output("out[0]", ops["out[0]"], kind, device, INT32, num_rows, window_size)
-    lens = arrays.output("out[1]", ops["out[1]"], kind, device, INT32, num_rows)
-    arrays.check_no_alias([indices, lens], [qsl, seq, token_to_req, valid, table])
+    checks.check(valid, (BOOL,), 1, min_len=token_offset + num_rows)
+    indices = checks.output("out[0]", ops["out[0]"], kind, device, INT32, num_rows, window_size)
+    lens = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_rows)
+    checks.check_no_alias([indices, lens], [qsl, seq, token_to_req, valid, table])
     if validation.check_mode(validate):
         validation.swa_inputs(query_start_loc, seq_lens, token_to_req_indices, is_valid_token,
                               block_table, kind, token_offset, num_rows, block_size)
-    num_reqs = min(qsl.shape[0] - 1, seq.shape[0])
-
-    results = (arrays.with_head_axis(indices.array, num_rows, window_size),
+    query = QueryLayout(qsl, seq, min(qsl.shape[0] - 1, seq.shape[0]))
+    results = (checks.with_head_axis(indices.array, num_rows, window_size),
                lens.array[:num_rows])
-    if kind in arrays.GPU_KINDS:
-        plans = ()
-        if num_rows:
-            # The compiled-in window's 32-bit positions need the table's span under the limit.
-            fits = table.shape[1] * block_size + window_size <= geometry.POSITION_LIMIT
-            lanes = geometry.row_lanes(num_rows, device)
-            threads = geometry.row_block_threads(lanes)
-            variant = (families.SWA.compiled_in("w", window_size) if fits else RUN_TIME,
-                       families.SWA.compiled_in("b", block_size), lanes, threads)
-            plans = (families.SWA.plan(
-                device, geometry.row_lane_blocks(num_rows, lanes, threads), variant,
-                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=seq.ptr,
-                                                 num_reqs=num_reqs),
-                table=arrays.block_table_group(table), token_to_req=token_to_req.ptr,
-                is_valid_token=valid.ptr, indices=indices.ptr, lens=lens.ptr,
-                indices_stride=arrays.row_stride(indices), window_size=window_size,
-                block_size=block_size, token_offset=token_offset, num_rows=num_rows,
-                guess_shift=geometry.request_guess_shift(num_tokens, num_reqs)),)
-        return _PREPARED.launch(key, plans, kind, device, results, results)
-    else:
-        view = arrays.kernel_view
-        flat_table, table_stride = arrays.kernel_view_2d(block_table, kind)
-        flat_indices, indices_stride = arrays.kernel_view_2d(indices.array, kind)
-        cpu.swa_indices_and_lens(
-            view(query_start_loc, kind), np.int64(num_reqs), view(seq_lens, kind),
-            view(token_to_req_indices, kind), view(is_valid_token, kind), flat_table,
-            table_stride, np.int64(table.shape[0]), np.int64(table.shape[1]),
-            np.int64(block_size), np.int64(window_size), np.int64(token_offset),
-            np.int64(num_rows), flat_indices, indices_stride, view(lens.array, kind))
-    return results
+    launch = swa_launch(query, table, token_to_req, valid, indices, lens, window_size,
+                        block_size, token_offset, num_rows, num_tokens, device)
+    return _OP.run(key, Checked(kind, device, results, (launch,), results))
+
+
+def swa_launch(query: QueryLayout, table: Operand, token_to_req: Operand,
+               is_valid_token: Operand, indices: Operand, lens: Operand, window_size: int,
+               block_size: int, token_offset: int, num_rows: int, num_tokens: int, device: int,
+               lanes: int | None = None) -> Launch:
+    """The SWA rows of tokens ``[token_offset, token_offset + num_rows)`` of
+    ``num_tokens``; ``device`` -1 for the CPU. ``lanes``: threads per row, a
+    fused kernel's (default ``geometry.row_lanes``)."""
+    blocks, variant = 0, {}
+    if device >= 0 and num_rows:
+        lanes = geometry.row_lanes(num_rows, device) if lanes is None else lanes
+        threads = geometry.row_block_threads(lanes)
+        # The compiled-in window's 32-bit positions need the table's span under the limit.
+        fits = table.shape[1] * block_size + window_size <= geometry.POSITION_LIMIT
+        family = families.SWA
+        variant = {"window": family.compiled_in("window", window_size) if fits
+                   else geometry.RUN_TIME,
+                   "block_size": family.compiled_in("block_size", block_size), "lanes": lanes,
+                   "threads": threads}
+        blocks = geometry.row_lane_blocks(num_rows, lanes, threads)
+    return Launch(
+        families.SWA, blocks,
+        dict(query=query, table=table_of(table), token_to_req=token_to_req,
+             is_valid_token=is_valid_token, indices=indices, lens=lens,
+             indices_stride=checks.row_stride(indices), window_size=window_size,
+             block_size=block_size, token_offset=token_offset, num_rows=num_rows,
+             guess_shift=geometry.request_guess_shift(num_tokens, query.num_reqs)),
+        variant=variant, kernel=cpu.swa_indices_and_lens)

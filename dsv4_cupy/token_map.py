@@ -1,14 +1,14 @@
 """``token_to_req_indices``: the request of every flattened token."""
 from __future__ import annotations
 
-import numpy as np
-
-from . import arrays, cpu, families, geometry, params, validation
-from .arrays import INT32
-from .prepared import PlanCache, PreparedCall
+from . import checks, cpu, families, geometry, validation
+from .kinds import INT32, Operand, probe_all
+from .launch import Launch, NoArray
+from .params import QueryLayout
+from .prepared import Checked, PreparedOp
 from .scalars import check_int
 
-_PREPARED = PlanCache()
+_OP = PreparedOp("token_to_req_indices")
 
 
 def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate: str = "default"):
@@ -34,36 +34,27 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
     ``query_start_loc[i] <= t < query_start_loc[i + 1]``; tokens at or past
     ``query_start_loc[-1]`` (padding) get 0; zero-length requests own no token.
     """
-    key = None
-    if validate == "default" and out is not None:
-        key = arrays.launch_key(query_start_loc, num_tokens, out)
-        prepared = _PREPARED.get(key) if key is not None else None
-        if prepared is not None and prepared.run():
-            return prepared.results
-    kind, device, ops = arrays.probe_all({"query_start_loc": query_start_loc, "out": out})
+    key, results = _OP.replay(validate, (out,), query_start_loc, num_tokens)
+    if results is not None:
+        return results
+    kind, device, ops = probe_all({"query_start_loc": query_start_loc, "out": out})
     qsl = ops["query_start_loc"]
-    arrays.check(qsl, (INT32,), 1, min_len=1)
+    checks.check(qsl, (INT32,), 1, min_len=1)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-    out = arrays.output("out", ops["out"], kind, device, INT32, num_tokens)
-    arrays.check_no_alias([out], [qsl])
-    full = validation.check_mode(validate)
-    if full:
+    out = checks.output("out", ops["out"], kind, device, INT32, num_tokens)
+    checks.check_no_alias([out], [qsl])
+    if validation.check_mode(validate):
         validation.query_layout(query_start_loc, None, kind, 0)
     result = out.array[:num_tokens]
-    if kind in arrays.GPU_KINDS:
-        plans = ()
-        if num_tokens:
-            plans = (families.TOKEN_MAP.plan(
-                device, geometry.elementwise_blocks(num_tokens),
-                query=params.QUERY_LAYOUT.values(query_start_loc=qsl.ptr, seq_lens=0,
-                                                 num_reqs=qsl.shape[0] - 1),
-                out=out.ptr, num_tokens=num_tokens),)
-        prepared = PreparedCall(plans, kind, device, result, (result,))
-        if not prepared.run():
-            raise RuntimeError("token_to_req_indices: the device changed during the call")
-        if key is not None:
-            _PREPARED.put(key, prepared)
-    else:
-        cpu.token_to_req_indices(arrays.kernel_view(query_start_loc, kind), np.int64(num_tokens),
-                                 arrays.kernel_view(out.array, kind))
-    return result
+    return _OP.run(key, Checked(kind, device, result,
+                                (token_map_launch(qsl, qsl.shape[0] - 1, out, num_tokens),),
+                                (result,)))
+
+
+def token_map_launch(query_start_loc: Operand, num_reqs: int, out: Operand,
+                     num_tokens: int) -> Launch:
+    """The token map of ``num_tokens`` tokens over ``num_reqs`` requests, into ``out``."""
+    return Launch(families.TOKEN_MAP, geometry.elementwise_blocks(num_tokens),
+                  dict(query=QueryLayout(query_start_loc, NoArray(INT32), num_reqs), out=out,
+                       num_tokens=num_tokens),
+                  kernel=cpu.token_to_req_indices)

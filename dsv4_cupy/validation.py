@@ -12,7 +12,8 @@ import warnings
 
 import numpy as np
 
-from . import arrays, spec
+from . import host, spec
+from .kinds import NUMPY
 from .scalars import check_int
 
 MODES = ("default", "full")
@@ -42,7 +43,7 @@ def storage_block(block_size: int, compress_ratio: int) -> None:
 def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None = None) -> None:
     """qsl starts at 0 and never decreases; ``seq_len >= query_len`` for each of
     ``num_rows`` requests; ``num_tokens`` (if given) covers every mapped token."""
-    q = arrays.host_copy(qsl, kind).astype(np.int64)
+    q = host.host_copy(qsl, kind).astype(np.int64)
     if q.shape[0] and q[0] != 0:
         raise ValueError(f"query_start_loc: expected to start at 0, got {int(q[0])}")
     steps = np.diff(q)
@@ -54,7 +55,7 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
         raise ValueError(f"num_tokens: expected at least query_start_loc[-1] ({int(q[-1])}), "
                          f"got {num_tokens}")
     if seq_lens is not None and num_rows:
-        seq = arrays.host_copy(seq_lens, kind)[:num_rows].astype(np.int64)
+        seq = host.host_copy(seq_lens, kind)[:num_rows].astype(np.int64)
         short = seq < steps[:num_rows]
         if short.any():
             b = int(np.flatnonzero(short)[0])
@@ -63,7 +64,7 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
 
 
 def _host_int64(x, kind: str) -> np.ndarray:
-    return arrays.host_copy(x, kind).astype(np.int64)
+    return host.host_copy(x, kind).astype(np.int64)
 
 
 def _first(mask: np.ndarray) -> int:
@@ -85,10 +86,10 @@ def request_ids(token_to_req, kind: str, count: int, num_rows: int, *, first: in
                 is_valid_token=None) -> np.ndarray:
     """The request ids of tokens ``[first, first + count)``, checked to be
     block-table rows (only the valid tokens' when ``is_valid_token`` is given)."""
-    ids = arrays.host_copy(token_to_req, kind)[first:first + count]
+    ids = host.host_copy(token_to_req, kind)[first:first + count]
     bad = (ids < 0) | (ids >= num_rows)
     if is_valid_token is not None:
-        bad &= arrays.host_copy(is_valid_token, kind)[first:first + count].astype(bool)
+        bad &= host.host_copy(is_valid_token, kind)[first:first + count].astype(bool)
     if bad.any():
         t = _first(bad)
         which = "" if is_valid_token is None else " for valid tokens"
@@ -101,7 +102,7 @@ def block_columns(block_table, kind: str, rows: np.ndarray, visible: np.ndarray,
                   block_size: int, num_cache_blocks: int | None, what: str) -> None:
     """Every block a lookup will use lies inside its table row and, when the
     cache size is known, inside the cache."""
-    table = arrays.host_copy(block_table, kind)
+    table = host.host_copy(block_table, kind)
     needed = np.where(visible > 0, (visible - 1) // block_size + 1, 0)
     wide = needed > table.shape[1]
     if wide.any():
@@ -131,7 +132,7 @@ def decodes_first(qsl_cpu: np.ndarray, threshold: int) -> None:
 
 
 def visible_rows(positions, kind: str, count: int, ratio: int, width: int) -> np.ndarray:
-    rows = spec.visible_rows(arrays.host_copy(positions, kind)[:count].astype(np.int64), ratio)
+    rows = spec.visible_rows(host.host_copy(positions, kind)[:count].astype(np.int64), ratio)
     return np.clip(rows, 0, width)
 
 
@@ -145,8 +146,8 @@ def slot_mapping_inputs(qsl, seq_lens, block_table, kind: str, block_size: int, 
     query_layout(qsl, seq_lens, kind, rows, num_tokens)
     if not rows:
         return
-    q = arrays.host_copy(qsl, kind)[:rows + 1].astype(np.int64)
-    seq = arrays.host_copy(seq_lens, kind)[:rows].astype(np.int64)
+    q = host.host_copy(qsl, kind)[:rows + 1].astype(np.int64)
+    seq = host.host_copy(seq_lens, kind)[:rows].astype(np.int64)
     first = np.maximum(seq - np.diff(q), 0)
     closed_after = seq // ratio                 # groups closed by positions < seq
     closed_before = first // ratio              # groups closed by positions < first
@@ -172,7 +173,7 @@ def _rebased_query_layout(qsl, seq_lens, kind: str) -> tuple[np.ndarray, np.ndar
     rebased = _host_int64(qsl, kind)
     rebased -= rebased[0]
     seq = _host_int64(seq_lens, kind)
-    query_layout(rebased, seq, arrays.NUMPY, rebased.shape[0] - 1)
+    query_layout(rebased, seq, NUMPY, rebased.shape[0] - 1)
     return rebased, seq[:rebased.shape[0] - 1]
 
 
@@ -185,7 +186,7 @@ def swa_inputs(qsl, seq_lens, token_to_req, is_valid_token, block_table, kind: s
     query_layout(qsl, seq_lens, kind, min(requests, qsl.shape[0] - 1))
     request_ids(token_to_req, kind, num_rows, requests, first=token_offset,
                 is_valid_token=is_valid_token)
-    valid = arrays.host_copy(is_valid_token, kind)[token_offset:token_offset + num_rows]
+    valid = host.host_copy(is_valid_token, kind)[token_offset:token_offset + num_rows]
     valid = valid.astype(bool)
     if not valid.any():
         return

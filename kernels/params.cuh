@@ -174,22 +174,6 @@ struct C4ALayerParams {          // c4a_layer_topk: one launch per C4A layer
     i64 decode_compact;          // 1: the decode rows' valid entries packed to the front
 };
 
-// --- the fused step kernel (kernels/step.cu) -------------------------------------------------
-struct BuildStepParams {         // its base section: one group's step outputs
-    QueryLayout query;
-    BlockTable table;
-    SlotGeometry geometry;
-    const void* positions;       // [num_tokens] int32 or int64 (p32/p64)
-    const void* slot_mapping;    // [num_tokens] int32 or int64 (s32/s64)
-    int* req_out;                // [num_tokens] int32
-    long long* slots_out;        // [slots_len] int64 compressed slots; null for ratio 1
-    i64 slots_len;
-    C128ARows rows;              // null pointers unless ratio 128
-    RowChunks chunks;
-    i64 num_tokens;
-    i64 num_decode_tokens;
-};
-
 struct PrefillPlan {             // a prefill chunk plan (get_prefill_chunk_plan), chunks <= max
     i64 chunks;
     int first_request[DSV4_MAX_PLAN_CHUNKS];     // chunk c: [first_request[c], first_request[c + 1])
@@ -203,8 +187,11 @@ struct PrefillCombineParams {    // combined prefill rows of a layer type, once 
     PrefillPlan plan;            // rows_per_request and swa_offset of rows are unused
 };
 
+// --- the fused step kernel (kernels/step.cuh): a section per family -----------------------------
 struct StepSections {            // cumulative block ends, in order; equal ends: section off
-    i64 base;
+    i64 token_map;
+    i64 group_slots;
+    i64 c128a;
     i64 swa;
     i64 c4a_slots;
     i64 indexer_slots;
@@ -217,7 +204,9 @@ struct StepSections {            // cumulative block ends, in order; equal ends:
 };
 
 struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the group builder)
-    BuildStepParams base;        // token->request map, C128A slots and rows
+    TokenMapParams token_map;    // the group's token->request map
+    SlotMappingParams group_slots;   // the group's compressed slot mapping (ratio > 1)
+    C128AParams c128a;           // token_to_req unused (computed from token_map.query)
     SwaParams swa;               // token_to_req and is_valid_token unused (computed)
     SlotMappingParams c4a_slots;
     SlotMappingParams indexer_slots;

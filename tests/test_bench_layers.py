@@ -80,11 +80,11 @@ def test_the_bound_table_says_whether_2x_is_possible(capsys):
 @pytest.mark.gpu
 def test_the_load_chain_runs_each_way_it_can_be_launched():
     torch = pytest.importorskip("torch")
-    from dsv4_cupy import loader
+    from dsv4_cupy import launch
     from dsv4_cupy.bench import latency
     from dsv4_cupy.bench.cli import GpuTimer
     floors = latency.dependent_load_floors(torch, GpuTimer(torch), rounds=1)
-    modes = {"plain"} | ({"programmatic"} if loader.programmatic_launch_supported(
+    modes = {"plain"} | ({"programmatic"} if launch.programmatic_launch_supported(
         torch.cuda.current_device()) else set())
     assert set(floors) == modes
     for per_load in floors.values():

@@ -108,8 +108,8 @@ def test_two_builds_share_memory_and_stride(kind):
     b = check_build(builder, large, kind)
     ga, gb = a.c128a_global_decode_topk_indices, b.c128a_global_decode_topk_indices
     assert ga.shape[-1] == 128 and gb.shape[-1] == 1024       # active widths differ...
-    from dsv4_cupy import arrays
-    assert arrays.probe("a", ga).ptr == arrays.probe("b", gb).ptr   # ...same memory...
+    from dsv4_cupy.kinds import probe
+    assert probe("a", ga).ptr == probe("b", gb).ptr   # ...same memory...
     stride = lambda x: x.stride(0) if hasattr(x, "stride") and callable(x.stride) else x.strides[0] // 4
     assert stride(ga) == stride(gb) == builder.capacity        # ...and the capacity stride
 

@@ -74,8 +74,8 @@ def test_compact_blocks_taking_several_rows_in_turn(kind, monkeypatch):
     """The compact rows' kernel has a grid-stride loop: on a grid smaller than
     the rows each block converts rows in turn, reusing its shared scratch for
     each row's count. (The other rows' kernel has a block per row, no loop.)"""
-    monkeypatch.setattr(d4.geometry, "block_rows", lambda num_rows: min(num_rows, 3))
-    d4.c4a._GLOBAL_TOPK._calls.clear()         # no launch prepared under the usual grid
+    monkeypatch.setattr(d4.geometry, "one_block_per_row", lambda num_rows, name: min(num_rows, 3))
+    d4.global_topk._OP.calls.clear()         # no launch prepared under the usual grid
     rng = np.random.default_rng(12)
     try:
         table = rng.integers(-1, 1 << 20, (5, 9)).astype(I32)
@@ -83,7 +83,7 @@ def test_compact_blocks_taking_several_rows_in_turn(kind, monkeypatch):
         run_global_topk(kind, topk, rng.integers(-1, 6, 23).tolist(), table, 64,
                         (rng.random(23) < 0.9).tolist(), compact=True)
     finally:
-        d4.c4a._GLOBAL_TOPK._calls.clear()
+        d4.global_topk._OP.calls.clear()
 
 
 @pytest.mark.parametrize("kind", GPU_KINDS)
@@ -93,8 +93,8 @@ def test_more_rows_than_one_grid_holds_are_refused_before_any_write(kind, monkey
     are a ValueError naming topk_indices, with every output as it was, for the
     op and for the fused C4A layer (its decode and prefill blocks together)."""
     monkeypatch.setattr(d4.geometry, "MAX_GRID_BLOCKS", 3)
-    for prepared in (d4.c4a._GLOBAL_TOPK, d4.c4a_layer._PREPARED):
-        prepared._calls.clear()                # every call below takes its checks
+    for prepared in (d4.global_topk._OP, d4.c4a_layer._OP):
+        prepared.calls.clear()                # every call below takes its checks
     topk = to_kind(np.zeros((4, 512), I32), kind)
     inputs = (to_kind(np.zeros(4, I32), kind), to_kind(np.zeros((1, 8), I32), kind), 64,
               to_kind(np.ones(4, bool), kind))
@@ -113,7 +113,7 @@ def test_more_rows_than_one_grid_holds_are_refused_before_any_write(kind, monkey
     d4.c4a_layer_topk(topk, 2, *inputs, qsl, seq, gather, 128, 4, 204, 75, out=layer_out)
     assert (to_numpy(layer_out[0][1]) != POISON).all()
     monkeypatch.setattr(d4.geometry, "MAX_GRID_BLOCKS", 2)
-    d4.c4a_layer._PREPARED._calls.clear()
+    d4.c4a_layer._OP.calls.clear()
     refill = [to_kind(np.full(to_numpy(x).shape, POISON, I32), kind) for part in layer_out
               for x in part]
     with pytest.raises(ValueError, match=r"topk_indices: .* at most 2 blocks, got 4 rows "

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from dsv4_cupy import device, errors, families, loader
+from dsv4_cupy.geometry import RUN_TIME
 
 pytest.importorskip("cupy")
 ARCHS = ["sm_90", "sm_100"]
@@ -60,15 +61,15 @@ def test_int_axes_compile_widths_in_beside_the_run_time_kernel():
     assert ("fill_short_context_topk_indices<long long, 128, 512, 4, 128>(p)"
             in families.SHORT_CONTEXT.stubs())
     assert families.GLOBAL_TOPK_COMPACT.entry_points() == ["global_topk_compact_indices_and_lens"]
-    assert families.SWA.compiled_in("w", 128) == 128
-    assert families.SWA.compiled_in("w", 127) == loader.RUN_TIME
-    assert families.GLOBAL_TOPK.compiled_in("k", 1024) == 1024
-    assert families.GLOBAL_TOPK.compiled_in("b", 32) == loader.RUN_TIME
+    assert families.SWA.compiled_in("window", 128) == 128
+    assert families.SWA.compiled_in("window", 127) == RUN_TIME
+    assert families.GLOBAL_TOPK.compiled_in("top_k", 1024) == 1024
+    assert families.GLOBAL_TOPK.compiled_in("block_size", 32) == RUN_TIME
 
 
 def test_source_inlines_includes_with_line_marks_and_shared_constants():
     text = loader.source(families.C128A)
-    assert text.startswith('#line 1 "kernels/c128a.cu"')
+    assert text.startswith('#line 1 "kernels/c128a.cuh"')
     assert '#line 1 "kernels/common.cuh"' in text and '#line 1 "kernels/params.cuh"' in text
     assert "#include" not in text
     opts = loader.options()

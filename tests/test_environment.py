@@ -70,7 +70,7 @@ def test_cpu_warmup_covers_every_kernel_and_dtype():
     assert done["gpu"] == [] and len(set(done["cpu"])) == len(done["cpu"])
     assert {name.split("[")[0] for name in done["cpu"]} == {k.__name__ for k in cpu.KERNELS}
     variants = {"compressed_slot_mapping": 2, "c128a_topk_metadata": 4,
-                "short_context_topk_indices": 2}         # the dtype axes of the API
+                "fill_short_context_topk_indices": 2, "step_validity": 2}   # the API's dtype axes
     for kernel in cpu.KERNELS:
         named = [name for name in done["cpu"] if name.split("[")[0] == kernel.__name__]
         assert len(named) == variants.get(kernel.__name__, 1), kernel.__name__

@@ -44,15 +44,15 @@ def test_request_guess_shift(num_tokens, num_reqs, shift):
 @pytest.mark.parametrize("rows", [0, 1, 512, 2**31 - 1])
 def test_a_block_per_row_within_the_grid(rows):
     """The global top-k rows have no grid-stride loop: a block each, none for no rows."""
-    assert geometry.block_rows(rows) == rows <= MAX_GRID_X
-    assert geometry.check_grid(geometry.block_rows(rows), rows, "topk_indices") == rows
+    assert geometry.one_block_per_row(rows, "topk_indices") == rows <= MAX_GRID_X
+    assert geometry.check_grid(rows, rows, "topk_indices") == rows
 
 
 def test_rows_past_the_grid_limit_are_a_value_error():
     assert geometry.MAX_GRID_BLOCKS == MAX_GRID_X
     with pytest.raises(ValueError, match=r"^topk_indices: expected rows that fit one grid of "
                                          r"at most 2147483647 blocks, got 2147483648 rows "):
-        geometry.check_grid(geometry.block_rows(2**31), 2**31, "topk_indices")
+        geometry.one_block_per_row(2**31, "topk_indices")
 
 
 @pytest.mark.parametrize("width,threads", [(0, 256), (512, 128), (1024, 256), (2048, 256)])

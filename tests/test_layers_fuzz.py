@@ -146,14 +146,16 @@ def test_nothing_compiles_after_warmup():
 
 def variants_launched(monkeypatch, family):
     """The variants (entry points) of ``family`` that ops launch from now on."""
+    from dsv4_cupy.launch import Launch
     seen = []
-    plan = family.plan
+    prepare = Launch.prepare
 
-    def spy(device, blocks, variant=(), **fields):
-        seen.append(tuple(variant))
-        return plan(device, blocks, variant, **fields)
+    def spy(launch, device):
+        if launch.family is family:
+            seen.append(family.variant_key(launch.variant))
+        return prepare(launch, device)
 
-    monkeypatch.setattr(family, "plan", spy)
+    monkeypatch.setattr(Launch, "prepare", spy)
     return seen
 
 

@@ -102,7 +102,7 @@ def test_a_c_struct_of_another_size_fails_to_compile():
     pytest.importorskip("cupy")
     from dsv4_cupy import errors
     drifted = params.Params("TokenMapParams", [("query", params.QUERY_LAYOUT), ("out", params.PTR)])
-    family = loader.KernelFamily("token_map.cu", "token_to_req_indices", drifted)
+    family = families.KernelFamily("token_map.cuh", "token_to_req_indices", drifted)
     with pytest.raises(errors.KernelCompileError, match="size differs from dsv4_cupy/params.py"):
         loader.compile_for(family, "sm_90")
 

@@ -13,7 +13,7 @@ import pytest
 
 import dsv4_cupy as d4
 from conftest import HAS_TORCH, to_kind, to_numpy
-from dsv4_cupy import families, loader
+from dsv4_cupy import families, launch
 
 I32 = np.int32
 POISON = 0x7A7A7A7A
@@ -23,7 +23,7 @@ REQUESTS, TOKENS, WINDOW, BLOCK, TABLE_COLS, TOP_K = 12, 40, 128, 64, 300, 512
 def test_launch_config_has_cuda_h_layout():
     """CUlaunchConfig (56 bytes) then the CUlaunchAttribute it points at: id 6
     (programmatic stream serialization) and the value 1, 8 bytes after the id."""
-    config = loader.launch_config(blocks=7, threads=128, stream=0x1234)
+    config = launch.launch_config(blocks=7, threads=128, stream=0x1234)
     words = config.view(np.uint32)
     assert config.nbytes == 56 + 72
     assert list(words[:7]) == [7, 1, 1, 128, 1, 1, 0]
@@ -54,7 +54,7 @@ def test_it_is_off_unless_the_environment_turns_it_on(value, enabled):
     env = {k: v for k, v in os.environ.items() if k != "DSV4_CUPY_PDL"}
     if value is not None:
         env["DSV4_CUPY_PDL"] = value
-    code = "from dsv4_cupy import loader; print(loader._ProgrammaticLaunch.enabled)"
+    code = "from dsv4_cupy import launch; print(launch.ProgrammaticLaunch.enabled)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == str(enabled)
@@ -103,14 +103,14 @@ def assert_chain(outputs, step):
 @pytest.fixture
 def programmatic(monkeypatch):
     """PDL on, launches through cuLaunchKernelEx counted."""
-    assert loader.programmatic_launch_supported(0), "the H200 and driver 12.3+ have it"
-    launch = loader.cu_launch_kernel_ex()
+    assert launch.programmatic_launch_supported(0), "the H200 and driver 12.3+ have it"
+    launch_ex = launch.cu_launch_kernel_ex()
     counted = []
 
     def counting(*args):
         counted.append(args[1])
-        return launch(*args)
-    monkeypatch.setattr(loader, "cu_launch_kernel_ex", lambda: counting)
+        return launch_ex(*args)
+    monkeypatch.setattr(launch, "cu_launch_kernel_ex", lambda: counting)
     previous = d4.set_programmatic_launch(True)
     yield counted
     d4.set_programmatic_launch(previous)

@@ -12,7 +12,7 @@ import pytest
 import dsv4_cupy as d4
 from batches import POISON
 from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
-from dsv4_cupy import loader
+from dsv4_cupy.launch import PreparedLaunch
 from dsv4_cupy.combine import combined_width
 
 KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
@@ -76,7 +76,7 @@ def composition(cms, builder):
     host_qsl = cm.query_start_loc_cpu
     single = d4.DeepseekV4MetadataBuilder(
         128, builder.max_model_len, builder.max_num_batched_tokens,
-        num_speculative_tokens=builder.c128a_builder.decode_threshold - 1, like=cm.seq_lens)
+        num_speculative_tokens=builder.c128a_group.decode_threshold - 1, like=cm.seq_lens)
     c128a = single.build(0, cm)
     nr, npf = c128a.num_decodes, c128a.num_prefills
     nd, ntp = c128a.num_decode_tokens, c128a.num_prefill_tokens
@@ -157,8 +157,8 @@ def assert_equal(got, want):
 
 def count_launches(monkeypatch):
     launches = []
-    run = loader.LaunchPlan.run
-    monkeypatch.setattr(loader.LaunchPlan, "run",
+    run = PreparedLaunch.run
+    monkeypatch.setattr(PreparedLaunch, "run",
                         lambda plan, stream: launches.append(plan) or run(plan, stream))
     return launches
 
@@ -413,9 +413,9 @@ def test_a_prefill_step_with_known_layouts_reuses_the_checks(kind, monkeypatch):
 
 
 def test_the_step_kernel_refuses_a_section_it_does_not_have():
-    from dsv4_cupy.step_kernel import step_plan
+    from dsv4_cupy.step_kernel import step_launch
     with pytest.raises(KeyError, match="swa_rows"):
-        step_plan(0, (), {"swa_rows": ((), 1)})
+        step_launch({}, {"swa_rows": None})
 
 
 def test_the_combine_sections_carry_the_plans_rows_and_padding():
@@ -428,14 +428,12 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
     rng = np.random.default_rng(12)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 4096, combined_prefill=True,
                                                prefill_chunk_size=1, max_num_compressed=1 << 21)
-    steps = []
-    builder._run_ops = lambda metadata, step: steps.append(step)
     cms = make_step(rng, 2, [4] * 1000 + [30], pad=7)
     got = builder.build(0, cms)
-    step = steps[0]
-    nr, npf, nd, ntp = step["split"]
+    plan = builder._plan(cms, False)
+    nr, npf, nd, ntp = plan.split
     host_qsl = cms["c128a"].query_start_loc_cpu
-    launches = builder._combine_sections(step, nr, step["ops128"])
+    launches = builder._launches(plan)
     layout = params.PREFILL_COMBINE
     for name, plan, buffers in (("c128a_combine", got.c128a_prefill_chunks,
                                  builder.c128a_combined_buffers),
@@ -445,10 +443,11 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
         stride = rows.strides[0] // 4
         chunks, covered = 0, 0
         for launch in launches:
-            if name not in launch:                   # a shorter plan needs fewer launches
+            section = launch.inputs[name]
+            if section == layout.off:                # a shorter plan needs fewer launches
                 continue
-            values, blocks = launch[name]
-            packed = np.frombuffer(struct.pack("<" + layout.format, *values), layout.dtype)[0]
+            packed = np.frombuffer(struct.pack("<" + layout.format, *section.values()),
+                                   layout.dtype)[0]
             count = int(packed["plan"]["chunks"])
             assert 0 < count <= params.MAX_PLAN_CHUNKS
             piece = plan[chunks:chunks + count]

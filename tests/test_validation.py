@@ -71,28 +71,29 @@ def test_c128a_rejects_strided_and_aliased_arrays():
 
 
 def test_a_builders_buffers_refuse_inputs_inside_them():
-    from dsv4_cupy import arrays
+    from dsv4_cupy.checks import OwnedBuffers
+    from dsv4_cupy.kinds import probe
     buffers = [np.zeros(64, I32), np.zeros((4, 16), I32), np.zeros(8, I64),
                np.zeros((4, 1, 16), I32)]              # the SWA rows' [n, 1, W]
-    owned = arrays.OwnedBuffers([arrays.probe(f"buffer{i}", b) for i, b in enumerate(buffers)])
-    owned.check_inputs([arrays.probe("outside", np.zeros(64, I32)), None])
+    owned = OwnedBuffers([probe(f"buffer{i}", b) for i, b in enumerate(buffers)])
+    owned.check_inputs([probe("outside", np.zeros(64, I32)), None])
     for i, inside in enumerate((buffers[0][60:], buffers[1][2, 3:5], buffers[2][:1],
                                 buffers[3][3, 0, 5:9])):
         with pytest.raises(ValueError, match=f"buffer{i}: output memory overlaps inside"):
-            owned.check_inputs([arrays.probe("outside", np.zeros(4, I32)),
-                                arrays.probe("inside", inside)])
+            owned.check_inputs([probe("outside", np.zeros(4, I32)),
+                                probe("inside", inside)])
     whole = np.zeros(64, I32)
     with pytest.raises(ValueError, match="b: a buffer overlaps another one"):
-        arrays.OwnedBuffers([arrays.probe("a", whole[:40]), arrays.probe("b", whole[32:])])
+        OwnedBuffers([probe("a", whole[:40]), probe("b", whole[32:])])
 
 
 def test_views_of_one_torch_buffer_are_watched_by_one_read():
     torch = pytest.importorskip("torch")
-    from dsv4_cupy import arrays
+    from dsv4_cupy.keys import owned_state_reader
     buffer = torch.zeros(8, 4, dtype=torch.int32)
     first, second = buffer[:2], buffer[2:5, :3]
-    (watched, read), (other, _) = (arrays.owned_state_reader(first),
-                                   arrays.owned_state_reader(second))
+    (watched, read), (other, _) = (owned_state_reader(first),
+                                   owned_state_reader(second))
     assert watched is other is buffer
     state = read(watched)
     buffer.numpy()[...] = 7                 # written outside torch, as the kernels write

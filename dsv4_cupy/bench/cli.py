@@ -147,14 +147,15 @@ def ceilings(torch, timer: GpuTimer) -> dict:
     floors of launches that chase dependent loads (``latency``), measured here."""
     import cupy
 
-    from .. import arrays
+    from ..kinds import TORCH_CUDA
+    from ..launch import stream_getter
     n = 1 << 28                                   # 1 GiB of int32
     a = torch.empty(n, dtype=torch.int32, device="cuda")
     b = torch.empty_like(a)
     write_us = timer.graph_us(lambda: a.fill_(-1), reps=5)
     copy_us = timer.graph_us(lambda: b.copy_(a), reps=5)
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel").kernel
-    stream = arrays.stream_getter(arrays.TORCH_CUDA, torch.cuda.current_device())
+    stream = stream_getter(TORCH_CUDA, torch.cuda.current_device())
 
     def launch_empty():
         cupy.cuda.driver.launchKernel(empty.ptr, 1, 1, 1, 32, 1, 1, 0, stream(), 0, 0)

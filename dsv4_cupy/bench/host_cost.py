@@ -15,14 +15,15 @@ import numpy as np
 def launch_floor_us(timer, torch) -> float:
     import cupy
 
-    from .. import arrays
+    from ..kinds import TORCH_CUDA
+    from ..launch import stream_getter
     module = cupy.RawModule(code='struct Params { long long field[32]; };\n'
                                  'extern "C" __global__ void empty_kernel(const Params p) {}')
     function = module.get_function("empty_kernel").kernel
     storage = np.zeros(256, np.uint8)
     pointers = np.array([storage.ctypes.data], np.uint64)
     device = torch.cuda.current_device()
-    stream = arrays.stream_getter(arrays.TORCH_CUDA, device)
+    stream = stream_getter(TORCH_CUDA, device)
     launch = cupy.cuda.driver.launchKernel
     kernel, kernel_params = function.ptr, pointers.ctypes.data      # read once, as a plan does
     return timer.host_us(lambda: launch(kernel, 1, 1, 1, 32, 1, 1, 0, stream(), kernel_params, 0),

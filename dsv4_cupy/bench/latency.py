@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays, loader
+from .. import loader
+from ..kinds import TORCH_CUDA
+from ..launch import (cu_launch_kernel_ex, launch_config, programmatic_launch_supported,
+                      stream_getter)
 
 #: The longest chain timed.
 MAX_LOADS = 3
@@ -70,7 +73,7 @@ def dependent_load_floors(torch, timer, rounds: int = 3) -> dict:
     # void* kernelParams[1] of each chain: the address of its struct.
     params = [np.array([chains.ctypes.data + i * _LOAD_CHAIN.itemsize], np.uint64)
               for i in range(MAX_LOADS + 1)]
-    stream = arrays.stream_getter(arrays.TORCH_CUDA, device)
+    stream = stream_getter(TORCH_CUDA, device)
     driver = cupy.cuda.driver
     configs = {}                                  # stream -> its programmatic launch config
 
@@ -81,14 +84,14 @@ def dependent_load_floors(torch, timer, rounds: int = 3) -> dict:
     def programmatic(loads: int) -> None:
         s = stream()
         if s not in configs:
-            configs[s] = loader.launch_config(1, _LANES, s)
-        status = loader.cu_launch_kernel_ex()(configs[s].ctypes.data, function,
+            configs[s] = launch_config(1, _LANES, s)
+        status = cu_launch_kernel_ex()(configs[s].ctypes.data, function,
                                               params[loads].ctypes.data, None)
         if status != 0:
             raise driver.CUDADriverError(status)
 
     launches = {"plain": plain}
-    if loader.programmatic_launch_supported(device):
+    if programmatic_launch_supported(device):
         launches["programmatic"] = programmatic
     times = {mode: [[] for _ in range(MAX_LOADS + 1)] for mode in launches}
     for _ in range(rounds):

@@ -210,7 +210,7 @@ def layer_rows(quick: bool, timer, ceilings: dict, launch_floor_us: float,
     the floors of one launch, against which the decode cases are set)."""
     import torch
 
-    from ..loader import set_programmatic_launch
+    from ..launch import set_programmatic_launch
     try:
         from . import triton_ports as ports
     except ImportError:                          # no Triton: no comparison column

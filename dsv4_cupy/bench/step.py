@@ -131,7 +131,7 @@ def upstream_sequence(torch, d4, ports, step, cms, spec: int, max_model_len: int
 def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
               launch_floor_us: float) -> list[dict]:
     import dsv4_cupy as d4
-    from dsv4_cupy import loader
+    from dsv4_cupy import launch
     try:
         from . import triton_ports as ports
     except ImportError:
@@ -148,12 +148,12 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
                                                  num_speculative_tokens=spec,
                                                  combined_prefill=bool(prefills), like="torch")
         launches = []
-        run = loader.LaunchPlan.run
-        loader.LaunchPlan.run = lambda plan, stream: launches.append(plan) or run(plan, stream)
+        run = launch.PreparedLaunch.run
+        launch.PreparedLaunch.run = lambda plan, stream: launches.append(plan) or run(plan, stream)
         try:
             whole.build(0, cms)
         finally:
-            loader.LaunchPlan.run = run
+            launch.PreparedLaunch.run = run
         row = {"op": "step", "case": name, "tokens": step["positions"].shape[0],
                "launches": len(launches)}
         timed = [("c128a", lambda: c128a.build(0, cms["c128a"])),

@@ -23,6 +23,7 @@
 // read, and with `compact` writes come after the group's barrier and land
 // below the group's end (packing only moves entries left), so no unread entry
 // is overwritten.
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

@@ -4,8 +4,9 @@
 // others combine the chunk's prefill rows with their sliding windows
 // (combine_topk_swa_indices): the two families' device functions, each on its
 // own range of the grid. The two parts touch disjoint rows.
-#include "global_topk.cu"
-#include "combine.cu"
+#pragma once
+#include "global_topk.cuh"
+#include "combine.cuh"
 
 namespace dsv4 {
 __device__ __forceinline__ void c4a_layer_topk(const C4ALayerParams& p) {

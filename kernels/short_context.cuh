@@ -1,6 +1,7 @@
 // fill_short_context_topk_indices: row t holds k for k < n = (positions[t] + 1)
 // / ratio (truncating, clamped to [0, top_k]) and -1 after, over top_k columns:
 // the C128A prefill row rule at another ratio and width.
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

@@ -13,6 +13,7 @@
 // after them. Measured on the H200 in one process: 1 / 16 / 64 decode rows
 // 1.58 / 1.66 / 1.69 us against 1.75 / 1.80 / 1.88 without the guess (the
 // port 1.59 / 1.66 / 1.74); 256 requests of 2 tokens 1.76 against 1.91 (1.84).
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

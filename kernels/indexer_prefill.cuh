@@ -7,6 +7,7 @@
 // Block num_reqs writes -1 over token_to_seq past the true total and empty
 // ranges (ks = ke = total) for slice tokens past the chunk's last token.
 // Every index is masked to its output's length.
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

@@ -1,6 +1,7 @@
 // compute_prefill_gather_lens: raw tokens each prefill request gathers from the
 // SWA cache, q + min(max(L - q, 0), W - 1) (its queries and the window before
 // them). One thread per prefill request.
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

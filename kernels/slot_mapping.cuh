@@ -4,6 +4,7 @@
 // block-table row b with qsl[b] <= i < qsl[b + 1]; everything else is -1, and
 // so is a token whose own slot is negative (vLLM's token_slot_mapping rule,
 // single rank only: under context parallelism another rank may own it).
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

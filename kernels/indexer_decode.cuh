@@ -7,6 +7,7 @@
 // a padding token gets length 0, the distinct id R + (t - qsl[R]) and a zero
 // row. Every token's decode length is 1. Then the whole length buffer past
 // num_tokens is zeroed (a persistent buffer longer than the step).
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

@@ -9,6 +9,7 @@
 // rows need no input, and one build serves every C128A layer of a step. A
 // warp per row, or a block per wide row (fill_rows, the compact column loop);
 // at 8192 tokens and C = 8320 this is a 272 MB write.
+#pragma once
 #include "common.cuh"
 
 namespace dsv4 {

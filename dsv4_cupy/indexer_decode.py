@@ -1,0 +1,97 @@
+"""``build_indexer_decode_metadata``: the C4A Lightning Indexer's per-token
+decode metadata."""
+from __future__ import annotations
+
+from . import checks, cpu, families, geometry, validation
+from .kinds import INT32, Operand, probe_all
+from .launch import Launch, table_of
+from .params import QueryLayout
+from .prepared import Checked, PreparedOp
+from .scalars import check_int
+from .spec import MAX_BLOCK_SIZE
+
+_OP = PreparedOp("build_indexer_decode_metadata")
+
+
+def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_tokens: int,
+                                  compress_ratio: int, *, out=None, validate: str = "default"):
+    """Per-token decode metadata for the indexer's paged MQA logits and top-k.
+
+    vLLM's device-fused ``_indexer_decode_metadata_kernel`` (#56562, upstream.md
+    §8.2) followed by DeepSeek-V4's division of the lengths by the ratio, in
+    one launch; the request of each token comes from the device
+    ``query_start_loc`` (a stale host copy does not matter).
+
+    Parameters
+    ----------
+    query_start_loc : int32 array ``[R + 1]``
+    seq_lens : int32 array ``[>= R]``
+    block_table : int32 array ``[>= R, cols]`` (rows contiguous, any row stride)
+    num_tokens : int
+        Tokens to describe, CUDA-graph padding included (``>= query_start_loc[R]``).
+    compress_ratio : int
+        4.
+    out : ``(context_lens, req_ids, decode_lens, block_rows)``, optional
+        int32 ``[>= num_tokens]`` x3 and ``[>= num_tokens, >= cols]``. Persistent
+        buffers: ``context_lens`` is written to its end (zeros past
+        ``num_tokens``, so consumers that read the whole buffer see no stale
+        length); the others only in the result region.
+    validate : "default" or "full"
+        "full" also checks (a sync on GPU) the query layout and that
+        ``num_tokens`` covers every request's tokens.
+
+    Returns
+    -------
+    ``(context_lens [num_tokens], req_ids [num_tokens], decode_lens [num_tokens],
+    block_rows [num_tokens, cols])``, int32. Token ``t < query_start_loc[R]``
+    of request ``b`` at in-request offset ``j``: ``max(L - q + j + 1, 0) //
+    compress_ratio`` (the compressed rows its position sees; never negative,
+    vLLM #51593), ``b``, 1, ``block_table[b]``. A padding token: 0, the distinct
+    id ``R + (t - query_start_loc[R])``, 1, zeros.
+    """
+    key, results = _OP.replay(validate, out, query_start_loc, seq_lens, block_table, num_tokens,
+                              compress_ratio)
+    if results is not None:
+        return results
+    context_out, req_out, decode_out, rows_out = checks.out_buffers(
+        out, ("context_lens", "req_ids", "decode_lens", "block_rows"))
+    kind, device, ops = probe_all({
+        "query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_table": block_table,
+        "out[0]": context_out, "out[1]": req_out, "out[2]": decode_out, "out[3]": rows_out})
+    qsl, seq, table = ops["query_start_loc"], ops["seq_lens"], ops["block_table"]
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
+                               maximum=MAX_BLOCK_SIZE)
+    checks.check(qsl, (INT32,), 1, min_len=1)
+    num_reqs = qsl.shape[0] - 1
+    checks.check(seq, (INT32,), 1, min_len=num_reqs)
+    checks.check(table, (INT32,), 2, min_len=num_reqs)
+    cols = checks.check_row_width("block_table.shape[1]", table.shape[1])
+    context = checks.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens)
+    req_ids = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
+    decode = checks.output("out[2]", ops["out[2]"], kind, device, INT32, num_tokens)
+    rows = checks.output("out[3]", ops["out[3]"], kind, device, INT32, num_tokens, cols)
+    checks.check_no_alias([context, req_ids, decode, rows], [qsl, seq, table])
+    if validation.check_mode(validate):
+        validation.query_layout(query_start_loc, seq_lens, kind, num_reqs, num_tokens)
+    results = (context.array[:num_tokens], req_ids.array[:num_tokens],
+               decode.array[:num_tokens], rows.array[:num_tokens, :cols])
+    launch = indexer_decode_launch(QueryLayout(qsl, seq, num_reqs), table, context, req_ids,
+                                   decode, rows, num_tokens, compress_ratio)
+    return _OP.run(key, Checked(kind, device, results, (launch,), results))
+
+
+def indexer_decode_launch(query: QueryLayout, table: Operand, context_lens: Operand,
+                          req_ids: Operand, decode_lens: Operand, block_rows: Operand,
+                          num_tokens: int, compress_ratio: int) -> Launch:
+    """The decode metadata of ``num_tokens`` tokens; ``context_lens`` is
+    written to its end (zeros past ``num_tokens``)."""
+    context_len = context_lens.shape[0]
+    blocks = (geometry.indexer_decode_blocks(num_tokens, table.shape[1], context_len)
+              if context_len else 0)
+    return Launch(families.INDEXER_DECODE, blocks,
+                  dict(query=query, table=table_of(table), context_lens=context_lens,
+                       req_ids=req_ids, decode_lens=decode_lens, block_rows=block_rows,
+                       block_rows_stride=checks.row_stride(block_rows), num_tokens=num_tokens,
+                       context_lens_len=context_len, ratio=compress_ratio),
+                  kernel=cpu.indexer_decode_metadata)

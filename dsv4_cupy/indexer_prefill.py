@@ -1,0 +1,115 @@
+"""``build_indexer_prefill_chunk_metadata``: the C4A Lightning Indexer's
+compressed-key ranges of one prefill chunk."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import checks, cpu, families, geometry, host, validation
+from .kinds import GPU_KINDS, INT32, Operand, probe_all
+from .launch import Launch
+from .params import QueryLayout
+from .prepared import Checked, PreparedOp
+from .scalars import check_int
+from .spec import MAX_BLOCK_SIZE
+
+_OP = PreparedOp("build_indexer_prefill_chunk_metadata")
+
+
+def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_ratio: int,
+                                         query_slice_start: int, query_slice_stop: int, *,
+                                         num_compressed: int | None = None, out=None,
+                                         validate: str = "default"):
+    """Compressed-key ranges of one prefill chunk for the indexer's logits kernel.
+
+    vLLM's ``BuildPrefillChunkMetadataKernel`` (upstream.md §8.1, no DCP), with
+    the cumulative compressed lengths computed in the same launch (no separate
+    cumsum, no sync).
+
+    Parameters
+    ----------
+    query_start_loc : int32 array ``[R + 1]``
+        The chunk's requests; rebased by its first element (which need not be 0).
+    seq_lens : int32 array ``[>= R]``
+    compress_ratio : int
+        4.
+    query_slice_start, query_slice_stop : int
+        The chunk's query tokens ``[start, stop)`` (rebased offsets) to describe.
+    num_compressed : int, optional
+        Length of ``token_to_seq``: ``sum(seq_lens // compress_ratio)``, which
+        the caller knows from the host copy of the sequence lengths. Required
+        for device arrays (computing it would read ``seq_lens``: a sync);
+        computed from the data on the CPU path when left out. Entries past the
+        true total are -1; true entries past it are dropped (``validate="full"``
+        refuses a mismatch).
+    out : ``(cu_compressed, token_to_seq, cu_seqlen_ks, cu_seqlen_ke)``, optional
+        int32 ``[>= R + 1]``, ``[>= num_compressed]``, ``[>= Q]``, ``[>= Q]``
+        with ``Q = stop - start``; only the result regions are written.
+    validate : "default" or "full"
+        "full" also checks (a sync on GPU) the chunk's query layout, the slice
+        inside its tokens and ``num_compressed``.
+
+    Returns
+    -------
+    ``(cu_compressed [R + 1], token_to_seq [num_compressed], cu_seqlen_ks [Q],
+    cu_seqlen_ke [Q])``, int32. ``cu_compressed = [0] + cumsum(max(L // r, 0))``;
+    ``token_to_seq[cu[b] + x] = b`` for ``x < L[b] // r``; query token ``j`` of
+    request ``b`` at rebased offset ``a = qsl[b] - qsl[0] + j`` in the slice
+    gets ``ks[a - start] = cu[b]`` and ``ke[a - start] = cu[b] + (L[b] - q[b]
+    + 1 + j) // r`` (so ``ke - ks`` is the rows its position sees). Slice
+    offsets past the chunk's last token get ``ks = ke = cu[R]`` (an empty range).
+    Each block of the launch sums the lengths before its request, so the work
+    grows with ``R**2``: meant for a chunk's requests (hundreds), not more.
+    """
+    key, results = _OP.replay(validate, out, query_start_loc, seq_lens, compress_ratio,
+                              query_slice_start, query_slice_stop, num_compressed)
+    if results is not None:
+        return results
+    cu_out, token_to_seq_out, ks_out, ke_out = checks.out_buffers(
+        out, ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"))
+    kind, device, ops = probe_all({
+        "query_start_loc": query_start_loc, "seq_lens": seq_lens, "out[0]": cu_out,
+        "out[1]": token_to_seq_out, "out[2]": ks_out, "out[3]": ke_out})
+    qsl, seq = ops["query_start_loc"], ops["seq_lens"]
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
+                               maximum=MAX_BLOCK_SIZE)
+    query_slice_start = check_int("query_slice_start", query_slice_start, minimum=0)
+    query_slice_stop = check_int("query_slice_stop", query_slice_stop, minimum=query_slice_start)
+    checks.check(qsl, (INT32,), 1, min_len=1)
+    num_reqs = qsl.shape[0] - 1
+    checks.check(seq, (INT32,), 1, min_len=num_reqs)
+    if num_compressed is None:
+        if kind in GPU_KINDS:
+            raise ValueError("num_compressed: required for device arrays (sum(seq_lens // "
+                             "compress_ratio) from the host copy of seq_lens); computing it "
+                             "here would read seq_lens, a sync")
+        host_seq = host.host_view(seq_lens, kind)[:num_reqs].astype(np.int64)
+        num_compressed = int(np.maximum(host_seq // compress_ratio, 0).sum())
+    num_compressed = check_int("num_compressed", num_compressed, minimum=0)
+    num_queries = query_slice_stop - query_slice_start
+    cu = checks.output("out[0]", ops["out[0]"], kind, device, INT32, num_reqs + 1)
+    token_to_seq = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_compressed)
+    ks = checks.output("out[2]", ops["out[2]"], kind, device, INT32, num_queries)
+    ke = checks.output("out[3]", ops["out[3]"], kind, device, INT32, num_queries)
+    checks.check_no_alias([cu, token_to_seq, ks, ke], [qsl, seq])
+    if validation.check_mode(validate):
+        validation.indexer_prefill_inputs(query_start_loc, seq_lens, kind, compress_ratio,
+                                          query_slice_stop, num_compressed)
+    results = (cu.array[:num_reqs + 1], token_to_seq.array[:num_compressed],
+               ks.array[:num_queries], ke.array[:num_queries])
+    launch = indexer_prefill_launch(QueryLayout(qsl, seq, num_reqs), cu, token_to_seq, ks, ke,
+                                    num_compressed, compress_ratio, query_slice_start,
+                                    query_slice_stop)
+    return _OP.run(key, Checked(kind, device, results, (launch,), results))
+
+
+def indexer_prefill_launch(query: QueryLayout, cu_compressed: Operand, token_to_seq: Operand,
+                           seqlen_ks: Operand, seqlen_ke: Operand, num_compressed: int,
+                           compress_ratio: int, query_slice_start: int,
+                           query_slice_stop: int) -> Launch:
+    """The chunk's ranges: a block per request, and one for the tail."""
+    return Launch(families.INDEXER_PREFILL, geometry.grid_stride_row_blocks(query.num_reqs + 1),
+                  dict(query=query, cu_compressed=cu_compressed, token_to_seq=token_to_seq,
+                       seqlen_ks=seqlen_ks, seqlen_ke=seqlen_ke, num_compressed=num_compressed,
+                       ratio=compress_ratio, query_slice_start=query_slice_start,
+                       query_slice_stop=query_slice_stop),
+                  kernel=cpu.indexer_prefill_chunk_metadata)

@@ -1,0 +1,142 @@
+"""Launch keys and view watching: what lets a repeated call skip its checks.
+
+A key fixes everything a call's checks depend on, read from attributes alone;
+a watched view says whether the caller changed it in place since it was
+handed out."""
+from __future__ import annotations
+
+import numpy as np
+
+from .kinds import CUPY_FAMILY, FAMILY_OF_TYPE, NUMPY, TORCH_FAMILY, family_of
+
+
+def _numpy_state(x) -> tuple:
+    return x.shape, x.strides, x.dtype, x.flags.writeable
+
+
+def _torch_state(x) -> tuple:
+    return x.shape, x.stride()
+
+
+def _cupy_state(x) -> tuple:
+    return x.shape, x.strides
+
+
+def state_reader(x):
+    """The function giving ``view_state`` of arrays of x's kind (chosen once,
+    for a view read again and again)."""
+    if type(x) is np.ndarray:
+        return _numpy_state
+    return _torch_state if family_of(x) is TORCH_FAMILY else _cupy_state
+
+
+def view_state(x) -> tuple:
+    """What a caller can change in place on a view: shape, strides and, for
+    numpy, the writeable flag (cheap: attribute reads only)."""
+    return state_reader(x)(x)
+
+
+def _torch_version(x) -> int:
+    return x._version
+
+
+def owned_state_reader(x) -> tuple:
+    """``(watched, read)`` for a view of a buffer that only this library's
+    kernels write: ``read(watched)`` changes when the caller changes the view
+    in place. For torch that is the version counter of the view's base, which
+    all views of one buffer share and every in-place torch op on any of them
+    bumps (``resize_``, ``t_``, ``as_strided_``, ``set_``, a write; not the
+    kernels' writes, nor assigning ``.data``): one read covers every view of a
+    buffer. Inference tensors have no version counter: their views are
+    watched by ``view_state``, as are other kinds'."""
+    if family_of(x) is TORCH_FAMILY and not x.is_inference():
+        base = x._base
+        return (x if base is None else base), _torch_version
+    return x, state_reader(x)
+
+
+class ViewCache:
+    """Views of a builder's own buffers, cached: slicing a torch tensor costs
+    more host time than a whole prepared build. A view is
+    ``buffer[start:stop]``, ``buffer[start:stop, :cols]`` or, with
+    ``unit_axis``, ``buffer[start:stop, None, :cols]``. A cached view that the
+    caller changed in place (``owned_state_reader``) is replaced, never handed
+    out again; past ``capacity`` views the cache starts over."""
+
+    __slots__ = ("capacity", "_views")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._views: dict = {}
+
+    def get(self, buffer, start: int, stop: int, cols: int | None = None,
+            unit_axis: bool = False):
+        key = (id(buffer), start, stop, cols, unit_axis)     # the builder keeps its buffers
+        cached = self._views.get(key)
+        if cached is not None:
+            view, watched, read, state = cached
+            if read(watched) == state:
+                return view
+        if unit_axis:
+            view = buffer[start:stop, None, :cols]
+        else:
+            view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]
+        if len(self._views) >= self.capacity:
+            self._views.clear()
+        watched, read = owned_state_reader(view)
+        self._views[key] = (view, watched, read, read(watched))
+        return view
+
+
+# Not float: 1.0 == 1 as keys, but the checks refuse it (bools are keyed apart, below).
+_SCALAR_TYPES = frozenset((int, str, tuple, type(None)))
+
+
+def host_key(x) -> tuple | None:
+    """``launch_key``'s entry for a host array read on the host (its type,
+    address, shape, strides and dtype); None for None. A device array gets a
+    key too, and the full checks then refuse it."""
+    if x is None:
+        return None
+    family = family_of(x)
+    if family is TORCH_FAMILY:
+        return type(x), x.is_cuda, x.data_ptr(), x.shape, x.stride(), x.dtype
+    if family is NUMPY:
+        return type(x), x.__array_interface__["data"][0], x.shape, x.strides, x.dtype
+    return (type(x), id(x))
+
+
+def launch_key(*args) -> tuple | None:
+    """A key that fixes everything the checks of a GPU call depend on: for each
+    device array its address, shape, strides and dtype; scalars as they are,
+    a bool apart from the int it equals (an int argument refuses a bool).
+    None when an argument is a host array or anything else (no fast path).
+
+    Two calls with equal keys pass the same checks and make the same launch
+    (device addresses are unique across devices and never those of host
+    memory, so a key found in a cache was validated as the same kind of GPU
+    array), so their prepared launch can be reused; nothing here reads device
+    memory. This runs on every prepared call: attribute reads only.
+    """
+    key = []
+    append = key.append
+    for x in args:
+        kind = type(x)
+        family = FAMILY_OF_TYPE.get(kind)          # arrays first: most arguments are arrays
+        if family is None:
+            if kind in _SCALAR_TYPES:
+                append(x)
+                continue
+            if kind is bool:
+                append((bool, x))
+                continue
+            family = family_of(x)
+        if family is TORCH_FAMILY:
+            append((x.data_ptr(), x.shape, x.stride(), x.dtype))
+        elif family is CUPY_FAMILY:
+            append((x.data.ptr, x.shape, x.strides, x.dtype))
+        else:
+            return None
+    return tuple(key)
+
+

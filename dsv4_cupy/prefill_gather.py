@@ -1,0 +1,70 @@
+"""``compute_prefill_gather_lens``: the raw tokens each prefill request gathers
+from the SWA cache."""
+from __future__ import annotations
+
+from . import checks, cpu, families, geometry, validation
+from .kinds import INT32, Operand, probe_all
+from .launch import Launch
+from .params import QueryLayout
+from .prepared import Checked, PreparedOp
+from .scalars import check_int
+from .spec import SWA_WINDOW_SIZE
+
+_OP = PreparedOp("compute_prefill_gather_lens")
+
+
+def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num_prefills: int,
+                                window_size: int = SWA_WINDOW_SIZE, *, out=None,
+                                validate: str = "default"):
+    """Raw tokens each prefill request gathers from the SWA cache (vLLM's
+    ``ComputePrefillMetadataKernel``, upstream.md §8.3).
+
+    Parameters
+    ----------
+    query_start_loc : int32 array ``[>= num_decodes + num_prefills + 1]``
+    seq_lens : int32 array ``[>= num_decodes + num_prefills]``
+    num_decodes, num_prefills : int
+        Prefill ``i`` is request ``num_decodes + i`` (decodes first).
+    window_size : int
+        ``W`` (128).
+    out : int32 array ``[>= num_prefills]``, optional
+        Only ``out[:num_prefills]`` is written.
+    validate : "default" or "full"
+        "full" also checks (a sync on GPU) the query layout of those requests.
+
+    Returns
+    -------
+    int32 array ``[num_prefills]``: ``q + min(max(L - q, 0), W - 1)`` for the
+    request's query length ``q`` and sequence length ``L``: its queries and the
+    window before the first one.
+    """
+    key, results = _OP.replay(validate, (out,), query_start_loc, seq_lens, num_decodes,
+                              num_prefills, window_size)
+    if results is not None:
+        return results
+    kind, device, ops = probe_all({"query_start_loc": query_start_loc, "seq_lens": seq_lens,
+                                   "out": out})
+    qsl, seq = ops["query_start_loc"], ops["seq_lens"]
+    num_decodes = check_int("num_decodes", num_decodes, minimum=0)
+    num_prefills = check_int("num_prefills", num_prefills, minimum=0)
+    window_size = checks.check_row_width("window_size", window_size, minimum=1)
+    num_reqs = num_decodes + num_prefills
+    checks.check(qsl, (INT32,), 1, min_len=num_reqs + 1)
+    checks.check(seq, (INT32,), 1, min_len=num_reqs)
+    lens = checks.output("out", ops["out"], kind, device, INT32, num_prefills)
+    checks.check_no_alias([lens], [qsl, seq])
+    if validation.check_mode(validate):
+        validation.query_layout(query_start_loc, seq_lens, kind, num_reqs)
+    result = lens.array[:num_prefills]
+    launch = gather_lens_launch(QueryLayout(qsl, seq, num_reqs), lens, num_decodes, num_prefills,
+                                window_size)
+    return _OP.run(key, Checked(kind, device, result, (launch,), (result,)))
+
+
+def gather_lens_launch(query: QueryLayout, out: Operand, num_decodes: int, num_prefills: int,
+                       window_size: int) -> Launch:
+    """The gather lengths of prefill requests ``num_decodes + i``, ``i < num_prefills``."""
+    return Launch(families.PREFILL_GATHER, geometry.elementwise_blocks(num_prefills),
+                  dict(query=query, out=out, num_decodes=num_decodes, num_prefills=num_prefills,
+                       window_size=window_size),
+                  kernel=cpu.prefill_gather_lens)
