@@ -39,7 +39,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     token_to_req_indices : int32 array ``[>= nd]``
         Request of each token (from ``token_to_req_indices``).
     block_table : int32 array ``[R, max_blocks]`` (rows contiguous, any row stride)
-        Read for valid decode tokens only; not clamped (as in the seed).
+        Read for valid decode tokens only; not clamped (as in vLLM).
     block_size : int
         The **storage** block size: compressed rows per cache block
         (``256 // 128 = 2``), not the builder's logical 256.
@@ -52,9 +52,9 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
         Missing ones are allocated, of the inputs' kind.
     max_compressed_tokens : int, optional
         ``W``, columns per row: at most the buffers' width; defaults to it, or
-        without buffers to 8192 (upstream's default).
+        without buffers to 8192 (vLLM's default).
     dcp_world_size, dcp_rank, cp_kv_cache_interleave_size : int
-        Decode context parallelism (experimental: upstream has it on a branch
+        Decode context parallelism (experimental: vLLM has it on a branch
         only). Each rank's decode row lists the rank-local slots of the rows it
         owns, ascending and packed at the front; its length is the owned count
         (``get_dcp_local_seq_lens`` of the visible rows). ``block_size`` must be
@@ -72,7 +72,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     -------
     ``(global_decode [nd, W], decode_lens [nd], prefill_local [T - nd, W])``, int32.
     With ``n = min((p + 1) // compress_ratio, W)`` (division truncating toward
-    zero, as the seed does): decode row ``e < n`` holds
+    zero, as vLLM does): decode row ``e < n`` holds
     ``block_table[req, e // block_size] * block_size + e % block_size``, prefill
     row ``e < n`` holds ``e``, every other column of the ``W`` is -1; the
     length is ``max(n, 0)``. One rule for what cannot be addressed: a padding

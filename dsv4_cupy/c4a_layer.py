@@ -20,7 +20,7 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
 
     Upstream runs two kernels per C4A layer on its indexer output: the
     local-to-global conversion of the decode rows and the combine of the
-    chunk's prefill rows (upstream.md §4 and §6, "Fusion"). This is one
+    chunk's prefill rows. This is one
     launch, each part on its own blocks, with the same results as
 
     * ``compute_global_topk_indices_and_lens(topk_indices[:nd],

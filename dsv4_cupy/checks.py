@@ -200,7 +200,7 @@ def out_buffers(out, names: tuple) -> tuple:
 
 
 def head_axis_dropped(name: str, buffer):
-    """A ``[rows, 1, cols]`` index buffer (upstream's head axis) as the 2-D view
+    """A ``[rows, 1, cols]`` index buffer (vLLM's head axis) as the 2-D view
     ``[rows, cols]`` of the same memory; a 2-D buffer or None passes through."""
     if buffer is None or kind_of(buffer) is None or buffer.ndim != 3:
         return buffer

@@ -24,7 +24,7 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
                              *, out=None, validate: str = "default"):
     """Compressed top-k entries then the sliding window, as rows into a chunk's workspace.
 
-    vLLM's ``combine_topk_swa_indices`` (upstream.md §6) in its hardened
+    vLLM's ``combine_topk_swa_indices`` in its hardened
     DeepSeek-V4.1 form: the -1 tail is written by the kernel (so persistent
     buffers work), local entries outside ``[0, N)`` become -1 in place, lengths
     are clamped at 0, the window never starts before the gathered region, and
@@ -91,7 +91,7 @@ def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens
     rows, or ``fill_short_context_topk_indices``). Those rows are computed,
     not read, and nothing here depends on the layer: one build per chunk
     serves all of the step's C128A layers (20 in DeepSeek-V4-Flash), where
-    upstream combines once per layer (upstream.md §6, "Fusion").
+    vLLM combines once per layer.
 
     Parameters
     ----------

@@ -151,8 +151,8 @@ def _owned_rows(n, geometry):
     world, interleave = geometry.cp_world_size, geometry.cp_interleave
     if world == 1:
         return n
-    base = n // interleave // world * interleave
-    return base + min(max(n - base * world - geometry.cp_rank * interleave, 0), interleave)
+    per_rank = n // interleave // world * interleave
+    return per_rank + min(max(n - per_rank * world - geometry.cp_rank * interleave, 0), interleave)
 
 
 @ParallelKernel

@@ -4,7 +4,7 @@
 Under decode context parallelism (DCP) the compressed rows of every request are
 dealt to ``world`` ranks ``interleave`` rows at a time; each rank stores its
 rows densely in its own cache (``spec.compressed_row_owner``). Experimental:
-upstream vLLM has DeepSeek-V4 DCP on a branch only.
+vLLM has DeepSeek-V4 DCP on a branch only.
 """
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = N
     Returns
     -------
     ``[N]`` (or ``[N, dcp_size]`` with ``dcp_rank=None``) of the input's kind and
-    dtype: ``base + clip(s - base * dcp_size - rank * I, 0, I)`` with
-    ``base = s // I // dcp_size * I``.
+    dtype: ``per_rank + clip(s - per_rank * dcp_size - rank * I, 0, I)`` with
+    ``per_rank = s // I // dcp_size * I``.
     """
     world, _, interleave = check_cp(dcp_size, 0, cp_kv_cache_interleave_size,
                                     names=("dcp_size", "dcp_rank",
@@ -74,10 +74,10 @@ def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = N
         seq_lens = check_int("seq_lens", seq_lens, minimum=0)
 
     def local(rank):
-        base = seq_lens // interleave // world * interleave
-        extra = seq_lens - base * world - rank * interleave
+        per_rank = seq_lens // interleave // world * interleave
+        extra = seq_lens - per_rank * world - rank * interleave
         extra = extra * (extra > 0)                                   # clip at 0
-        return base + extra - (extra - interleave) * (extra > interleave)   # clip at I
+        return per_rank + extra - (extra - interleave) * (extra > interleave)   # clip at I
 
     if dcp_rank is not None:
         return local(dcp_rank)

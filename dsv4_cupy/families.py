@@ -12,10 +12,23 @@ from typing import NamedTuple
 import numpy as np
 
 from . import params
-from .geometry import (COMBINE_LANES, ROW_LANES, RUN_TIME, THREADS, combine_lanes,
-                       row_block_threads, topk_row_threads)
-from .spec import (C4A_BLOCK_SIZE, C4A_RATIO, INDEX_TOPKS, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE,
-                   combined_width)
+from .geometry import (
+    COMBINE_LANES,
+    ROW_LANES,
+    RUN_TIME,
+    THREADS,
+    combine_lanes,
+    row_block_threads,
+    topk_row_threads,
+)
+from .spec import (
+    C4A_BLOCK_SIZE,
+    C4A_RATIO,
+    INDEX_TOPKS,
+    SWA_BLOCK_SIZE,
+    SWA_WINDOW_SIZE,
+    combined_width,
+)
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _C_TYPES = {INT32: "int", INT64: "long long"}

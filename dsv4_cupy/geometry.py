@@ -45,16 +45,8 @@ ROW_LANES = (WARP_LANES, 4 * WARP_LANES)
 
 def row_lanes(num_rows: int, device: int) -> int:
     """Threads per SWA or short-context row: four warps while the rows are at
-    most one per SM, else a warp. Measured on the H200 in one process:
-
-    * SWA rows (W = 128; four warps write a column each, a warp a 16-byte
-      vector per lane): at 1 / 16 / 64 rows 1.72 / 1.81 / 1.85 us against a
-      warp's 1.79 / 1.82 / 1.87 (1.85 / 1.85 / 1.91 against 1.89 / 1.92 / 1.99
-      in a second run); at 8192 rows four warps were 60% slower;
-    * short-context rows (512 columns, a 16-byte store per thread): at
-      1 / 16 / 64 rows 1.40 / 1.54 / 1.62 us against a warp's 1.51 / 1.71 /
-      1.77; at 8192 rows 5.60 against 5.30.
-    """
+    most one per SM (few rows finish sooner spread over more threads), else a
+    warp (many rows are faster a warp each, docs/performance.md)."""
     return ROW_LANES[num_rows <= sm_count(device)]
 
 
@@ -65,10 +57,8 @@ WIDE_ROW = 2048
 
 def combine_lanes(width: int) -> int:
     """Threads per combined row of ``width`` columns: a block for wide rows (the
-    C128A layers', 8320 at a 1M context), a warp otherwise. Measured on the
-    H200 in one process, 8192 rows of 8320 columns: 62.9 us with a block per
-    row (94% of the write ceiling in the bench) against 63.7 with four warps
-    and 69.0 with a warp; rows that read their top-k entries 138.6 against 145.0."""
+    C128A layers', 8320 at a 1M context: near the write ceiling that way), a
+    warp otherwise."""
     return COMBINE_LANES[width >= WIDE_ROW]
 
 
@@ -95,7 +85,7 @@ POSITION_LIMIT = 1 << 30
 def row_block_threads(lanes: int) -> int:
     """Threads of the block of an SWA or short-context kernel whose rows take
     ``lanes`` threads: a row of several warps has a block of its own (the
-    shape of upstream's program per row), a warp's row shares THREADS."""
+    shape of vLLM's program per row), a warp's row shares THREADS."""
     return lanes if lanes > WARP_LANES else THREADS
 
 
@@ -107,8 +97,7 @@ def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES, threads: int = THREA
 
 def topk_row_threads(width: int) -> int:
     """Threads of a global top-k row's block: a 16-byte vector of the row each,
-    at most THREADS (K = 512: 128); THREADS for a run-time width (0). Measured
-    in kernels/global_topk.cuh."""
+    at most THREADS (K = 512: 128); THREADS for a run-time width (0)."""
     return min(THREADS, width // 4) if width > 0 else THREADS
 
 
@@ -144,8 +133,7 @@ def row_geometry(num_rows: int, width: int, device: int) -> tuple[int, int]:
 
     The smallest piece that keeps the grid within two blocks per SM: a single
     decode row spreads over 16 SMs, larger batches give each thread up to four
-    16-byte stores in flight. Measured on the H200 (W = 8192): 1 token 512,
-    32 tokens 1024, 256 tokens and up 4096 were the fastest of the sizes.
+    16-byte stores in flight.
     """
     limit = 2 * sm_count(device)
     width = max(width, 1)

@@ -20,7 +20,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
                                          compact: bool = False, validate: str = "default"):
     """Request-local compressed rows of each decode token to global slots, and their count.
 
-    vLLM's ``compute_global_topk_indices_and_lens`` (upstream.md §4) with the
+    vLLM's ``compute_global_topk_indices_and_lens`` with the
     later hardening: request and block-column bounds, all -1 padding rows, and
     optional compaction.
 

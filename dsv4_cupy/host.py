@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kinds import GPU_KINDS, NUMPY
+from .kinds import CUPY, GPU_KINDS, NUMPY
 
 
 def host_copy(x, kind: str) -> np.ndarray:

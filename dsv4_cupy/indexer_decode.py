@@ -17,7 +17,7 @@ def build_indexer_decode_metadata(query_start_loc, seq_lens, block_table, num_to
                                   compress_ratio: int, *, out=None, validate: str = "default"):
     """Per-token decode metadata for the indexer's paged MQA logits and top-k.
 
-    vLLM's device-fused ``_indexer_decode_metadata_kernel`` (#56562, upstream.md
+    vLLM's device-fused ``_indexer_decode_metadata_kernel`` (#56562,
     §8.2) followed by DeepSeek-V4's division of the lengths by the ratio, in
     one launch; the request of each token comes from the device
     ``query_start_loc`` (a stale host copy does not matter).

@@ -21,7 +21,7 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
                                          validate: str = "default"):
     """Compressed-key ranges of one prefill chunk for the indexer's logits kernel.
 
-    vLLM's ``BuildPrefillChunkMetadataKernel`` (upstream.md §8.1, no DCP), with
+    vLLM's ``BuildPrefillChunkMetadataKernel`` (no DCP), with
     the cumulative compressed lengths computed in the same launch (no separate
     cumsum, no sync).
 

@@ -40,7 +40,7 @@ class CommonAttentionMetadata:
 
 @dataclass
 class DeepseekV4Metadata:
-    """What ``DeepseekV4MetadataBuilder.build`` returns (the seed's
+    """What ``DeepseekV4MetadataBuilder.build`` returns (vLLM's
     ``DeepseekV4FlashMLAMetadata`` fields, plus the decode/prefill split).
 
     ``slot_mapping`` is the compressed slot mapping (int64) when

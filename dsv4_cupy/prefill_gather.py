@@ -17,7 +17,7 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
                                 window_size: int = SWA_WINDOW_SIZE, *, out=None,
                                 validate: str = "default"):
     """Raw tokens each prefill request gathers from the SWA cache (vLLM's
-    ``ComputePrefillMetadataKernel``, upstream.md §8.3).
+    ``ComputePrefillMetadataKernel``).
 
     Parameters
     ----------

@@ -34,7 +34,7 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
                            max_num_batched_tokens: int) -> list[tuple[int, int, int, int]]:
     """Split the prefill requests into chunks whose gathered workspace fits (host only).
 
-    vLLM's ``get_prefill_chunk_plan`` (#45061, upstream.md §8.4): greedy over the
+    vLLM's ``get_prefill_chunk_plan`` (#45061): greedy over the
     prefill requests, a chunk takes the next request while ``count * (max
     compressed + max gather)`` stays within ``chunk_size * (cdiv(max_model_len,
     ratio) + window_size + max_num_batched_tokens)``; the first request of a

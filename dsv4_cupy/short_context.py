@@ -17,7 +17,7 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
                                     num_tokens: int | None = None, *, out=None,
                                     validate: str = "default"):
     """"Every candidate" top-k rows, for when no token sees more than ``top_k``
-    compressed rows (vLLM's ``_fill_short_context_topk_indices``, upstream.md §5).
+    compressed rows (vLLM's ``fill_short_context_topk_indices``).
 
     Parameters
     ----------
@@ -29,7 +29,7 @@ def fill_short_context_topk_indices(positions, top_k: int, compress_ratio: int,
     num_tokens : int, optional
         Rows to write; default ``len(positions)``.
     out : int32 array ``[>= num_tokens, >= top_k]`` (rows contiguous, any row stride), optional
-        Persistent buffer (upstream's ``topk_indices_buffer``); only the result
+        Persistent buffer (vLLM's ``topk_indices_buffer``); only the result
         region is written, so a wider buffer keeps its other columns.
     validate : "default" or "full"
         "full" also checks (a sync on GPU) the shortcut's precondition: no

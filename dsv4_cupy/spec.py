@@ -65,7 +65,7 @@ def next_power_of_2(n: int) -> int:
 
 def visible_rows(positions, compress_ratio: int):
     """Compressed rows a query at ``positions`` sees: ``(p + 1) // compress_ratio``,
-    the division truncating toward zero as the seed's Triton kernel does (so
+    the division truncating toward zero as vLLM's Triton kernel does (so
     negative positions give 0 or a negative count, never -1 for p = -2).
 
     Works on ints and on numpy or torch integer arrays alike; the kernels and

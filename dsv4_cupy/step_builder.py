@@ -23,8 +23,17 @@ from .prepared import PreparedCall, PreparedCalls
 from .scalars import check_int
 from .short_context import short_context_launch
 from .slot_mapping import slot_mapping_launch
-from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
-                   PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
+from .spec import (
+    C4A_RATIO,
+    C128A_RATIO,
+    INDEX_TOPKS,
+    KV_BLOCK_SIZE,
+    MAX_BLOCK_SIZE,
+    PREFILL_CHUNK_SIZE,
+    SWA_BLOCK_SIZE,
+    SWA_WINDOW_SIZE,
+    cdiv,
+)
 from .step_kernel import step_launch
 from .swa import swa_launch
 

@@ -19,7 +19,7 @@ def compute_swa_indices_and_lens(window_size: int, query_start_loc, seq_lens,
                                  validate: str = "default"):
     """SWA-cache slots of the last ``min(p + 1, window_size)`` positions of each token.
 
-    vLLM's ``_compute_swa_indices_and_lens_kernel`` (upstream.md §2), hardened.
+    vLLM's ``_compute_swa_indices_and_lens_kernel``, hardened.
     Upstream launches it twice per step: decode rows (``token_offset=0``,
     ``num_rows=num_decode_tokens``) and prefill rows (``token_offset=
     num_decode_tokens``).

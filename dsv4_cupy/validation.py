@@ -255,7 +255,7 @@ def short_context_inputs(positions, kind: str, num_tokens: int, top_k: int,
     token sees more than top_k compressed rows (else candidates are dropped
     unscored, vLLM #52492)."""
     positions = _host_int64(positions, kind)[:num_tokens]
-    visible = (positions + 1) // compress_ratio
+    visible = spec.visible_rows(positions, compress_ratio)
     if (visible > top_k).any():
         t = _first(visible > top_k)
         raise ValueError(f"positions: the short-context fill needs (p + 1) // {compress_ratio} "

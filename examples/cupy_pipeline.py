@@ -8,11 +8,20 @@ it prints a message and exits 0.
 Run:  python examples/cupy_pipeline.py
 """
 import numpy as np
+from numpy_pipeline import (
+    FIELDS,
+    MAX_MODEL_LEN,
+    RATIO,
+    SPEC_TOKENS,
+    STORAGE_BLOCK,
+    assert_same_metadata,
+    make_builder,
+    make_step,
+    move_step,
+)
 
 import dsv4_cupy as d4
 from dsv4_cupy.device import require_gpu
-from numpy_pipeline import (FIELDS, MAX_MODEL_LEN, RATIO, SPEC_TOKENS, STORAGE_BLOCK,
-                            assert_same_metadata, make_builder, make_step, move_step)
 
 
 def main():

@@ -9,10 +9,10 @@ Runs on a CPU-only machine too (torch CPU tensors and numpy).
 Run:  python examples/torch_dlpack.py
 """
 import torch
+from numpy_pipeline import assert_same_metadata, make_builder, make_step, move_step
 
 import dsv4_cupy as d4
 from dsv4_cupy.device import require_gpu
-from numpy_pipeline import assert_same_metadata, make_builder, make_step, move_step
 
 
 def has_cupy_gpu():

@@ -49,15 +49,11 @@ struct CombineChunk {
 // have no top-k part (C = round_up(topk + W, 128) >= topk + W), so nothing of
 // it is in the code. kLanes threads take a row: a warp, or a block for wide
 // rows (geometry.combine_lanes). kOneRequest: the chunk holds one request, b =
-// 0 (request_of would read nothing either, but the set-up of its loop waited
-// for qsl[0] ahead of the layout's loads). The row's request layout is read
-// with the row's first loads, before t < total is known (b is one of the
+// 0 (request_of would read nothing either, but the set-up of its loop would
+// wait for qsl[0] ahead of the layout's loads). The row's request layout is
+// read with the row's first loads, before t < total is known (b is one of the
 // chunk's requests whenever there is one), and the row is computed without
-// branches: a conditional block took those loads after total's. Measured on the
-// H200, 8192 rows of one request, each run in one process with the Triton port:
-// SWA-only rows (c128_w128) 2.78 us against the port's 3.16, where the kernel
-// before this (run-time shapes, the conditional block) took 3.64 against 3.06;
-// C4A rows 8.27 against 11.78 (8.59 against 11.59 before).
+// branches: a conditional block would take those loads after total's.
 template <int kWidth, int kWindow, int kLanes, bool kOneRequest, typename ChunkOf>
 __device__ __forceinline__ void combine_rows(const CombineParams& p, const Blocks& blocks,
                                              const ChunkOf& chunk_of) {
@@ -66,11 +62,11 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, const Block
     const i64 num_reqs = p.query.num_reqs, window = compiled_or<kWindow>(p.window_size);
     fill_rows<ColumnLoop::kCompact, kLanes>(p.out, p.out_stride, p.lens, p.num_tokens,
                                             compiled_or<kWidth>(p.width), blocks, [&](i64 t) {
-        const i64 base = qsl[0];
+        const i64 chunk_start = qsl[0];
         const int* topk_row = !kNoTopk && p.topk_indices != nullptr
             ? p.topk_indices + t * p.topk_stride : nullptr;
         CombineRow row{topk_row, 0, 0, (int)p.swa_offset, 0, 0};
-        const int b = kOneRequest ? 0 : request_of(qsl, num_reqs, base + t);
+        const int b = kOneRequest ? 0 : request_of(qsl, num_reqs, chunk_start + t);
         i64 qs = 0, qe = 0, seq_len = 0, gather_len = 0;
         if (num_reqs > 0) {
             qs = qsl[b];
@@ -79,8 +75,8 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, const Block
             gather_len = p.gather_lens != nullptr ? (i64)p.gather_lens[b]
                                                   : prefill_gather_len(qe - qs, seq_len, window);
         }
-        const bool in_chunk = num_reqs > 0 && t < (i64)qsl[num_reqs] - base;
-        const i64 position = token_position(seq_len, qe, base + t);
+        const bool in_chunk = num_reqs > 0 && t < (i64)qsl[num_reqs] - chunk_start;
+        const i64 position = token_position(seq_len, qe, chunk_start + t);
         if constexpr (!kNoTopk)
             row.topk_len = in_chunk && p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
         const CombineChunk chunk = chunk_of(b);

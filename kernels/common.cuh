@@ -21,9 +21,9 @@
 // while the grid before it on the stream still runs: it waits here until that
 // grid is done and its writes are visible, then lets the next grid start, so
 // the next launch overlaps this grid's work and the results do not change.
-// Launched without the attribute, both instructions return at once. Letting the
-// next grid start before waiting measured 0.04-0.12 us faster per call at 1-64
-// decode rows on the H200, but 0.26 us slower at 512 global top-k rows.
+// Launched without the attribute, both instructions return at once. The next
+// grid may start only once this one waits: letting it start first is faster
+// at decode sizes but slower for large grids (docs/performance.md).
 __device__ __forceinline__ void await_earlier_grids() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -75,7 +75,7 @@ __device__ __forceinline__ i64 token_position(i64 seq_len, i64 query_end, i64 t)
 // Compressed-cache slot of the token at flattened index i of block-table row b,
 // or DSV4_PAD_SLOT_ID. A slot exists when pos >= 0 closes a group
 // ((pos + 1) % ratio == 0) and the compressed row is owned by this
-// context-parallel rank. Entries are read clamped at 0 (the seed builder's
+// context-parallel rank. Entries are read clamped at 0 (vLLM's builder's
 // clamp); a block past the row is no slot.
 __device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const BlockTable& table,
                                                const SlotGeometry& g, int b, i64 i) {
@@ -104,7 +104,7 @@ __device__ __forceinline__ i64 compressed_slot_at(const QueryLayout& q, const Bl
 }
 
 // Visible compressed rows of a query at `position`, clamped to [0, width].
-// Division truncates toward zero, as the seed's Triton kernel does (a
+// Division truncates toward zero, as vLLM's Triton kernel does (a
 // numerator <= 0 gives 0 either way). position + 1 wraps as the CPU path's
 // int64 does (a garbage INT64_MAX position): unsigned, so the compiler may not
 // assume it does not.
@@ -116,9 +116,8 @@ __device__ __forceinline__ int visible_rows(PosT position, i64 ratio, i64 width)
 
 // Division by the storage block size: a shift for powers of two (every
 // DeepSeek-V4 block size), a division otherwise. A kernel picks one of the two
-// once, with with_block_divisor. Chosen per element, the division's code sat
-// between the loads of a row, and instruction fetches were the largest stall
-// of the one-row SWA kernel on the H200 (ncu).
+// once, with with_block_divisor: chosen per element, the division's code sits
+// between the loads of a row, and instruction fetches stall a one-row kernel.
 struct ShiftDivisor {
     int size, shift;
     __device__ __forceinline__ int div(int e) const { return e >> shift; }
@@ -150,8 +149,8 @@ __device__ __forceinline__ void with_block_divisor(int size, const F& f) {
 
 // A value compiled into the kernel (an entry point's int axis, loader.py: a
 // width, a window, a ratio), or the struct's run-time one when kValue is
-// DSV4_RUN_TIME. The gains measured came with several such values together
-// (the kernels' comments), the code on a row's chain one straight line.
+// DSV4_RUN_TIME: with the shape compiled in, a row's chain of code is one
+// straight line.
 template <int kValue>
 __device__ __forceinline__ int compiled_or(i64 run_time) {
     return kValue != DSV4_RUN_TIME ? kValue : (int)run_time;
@@ -159,7 +158,7 @@ __device__ __forceinline__ int compiled_or(i64 run_time) {
 
 // Column e of a C128A row with n addressable rows: -1 past n; a decode row
 // (block_row != nullptr) holds block_row[e / bs] * bs + e % bs, computed in 32
-// bits like the seed; a prefill row holds e. n never exceeds the row's
+// bits like vLLM; a prefill row holds e. n never exceeds the row's
 // columns times bs, so the table read stays inside the row.
 template <typename Divisor>
 __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__ block_row,
@@ -174,19 +173,16 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
 // every vector is), else one column at a time. A lane's first vector is
 // straight-line code: a row of one vector per lane (SWA's W = 128, a warp's
 // piece of a short row) runs no loop, and its four loads are in flight
-// together; measured on the H200, the loop alone cost a one-row SWA launch
-// 0.13-0.16 us (of 2.0). Later vectors are unrolled, so the loads of several
-// are in flight before the first store waits on them. Streaming
-// (evict-first) stores: measured 3-10% faster on the H200 for C128A rows of
-// 8192 columns, which are far larger than L2.
+// together. Later vectors are unrolled, so the loads of several are in flight
+// before the first store waits on them. Stores are streaming (evict-first):
+// the rows of a large step are far larger than L2.
 //
 // ColumnLoop::kCompact writes every vector from one plain loop instead, for
-// the combined rows, whose entries branch (and may load): measured on the H200
-// at 8192 rows against the unrolled loop, C128A rows 5-7% and C4A rows 5%
-// faster, SWA-only rows 2% slower.
+// the combined rows, whose entries branch (and may load): less code per
+// vector, which those rows are bound by.
 //
 // ColumnLoop::kScalar writes a column per lane at a time, no vectors: rows of
-// one column per thread (upstream's shape for SWA rows).
+// one column per thread (vLLM's shape for SWA rows).
 enum class ColumnLoop { kUnrolled, kCompact, kScalar };
 
 template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename ValueOf>
@@ -244,8 +240,8 @@ struct RowPiece {
 // decode row is the single-rank formula over its own count.
 __device__ __forceinline__ i64 owned_rows(i64 n, const SlotGeometry& g) {
     if (g.cp_world_size == 1) return n;
-    const i64 base = n / g.cp_interleave / g.cp_world_size * g.cp_interleave;
-    return base + clamp_i64(n - base * g.cp_world_size - g.cp_rank * g.cp_interleave, 0,
+    const i64 per_rank = n / g.cp_interleave / g.cp_world_size * g.cp_interleave;
+    return per_rank + clamp_i64(n - per_rank * g.cp_world_size - g.cp_rank * g.cp_interleave, 0,
                             g.cp_interleave);
 }
 
@@ -287,7 +283,7 @@ __device__ __forceinline__ i64 prefill_gather_len(i64 query_len, i64 seq_len, i6
 }
 
 // Global slot of row `within` of cache block `entry`, computed in 32 bits like
-// the seed (a product past 2^31 wraps the same way on every path).
+// vLLM (a product past 2^31 wraps the same way on every path).
 __device__ __forceinline__ int block_slot(int entry, int block_size, int within) {
     return (int)((unsigned)entry * (unsigned)block_size + (unsigned)within);
 }
@@ -318,17 +314,14 @@ using WarpRows = RowLanes<DSV4_WARP_LANES>;
 // `.length()` the row's length. kLanes threads take a row (a warp unless the
 // kernel says otherwise), every lane builds the row's state once (the same
 // loads, in parallel), lane 0 writes the length and every lane its share of
-// the row's 16-byte vectors (fill_columns). Measured on the H200 at 8192 rows:
-//  * a flat mapping of vectors to threads rebuilt the state per vector and was
-//    instruction-bound on rows of 640 and 8320 columns (26% and 36% of the
-//    write ceiling);
+// the row's 16-byte vectors (fill_columns):
+//  * the state is built once per row, not once per vector (a flat mapping of
+//    vectors to threads is instruction-bound on wide rows);
 //  * the grid has a group for every row (geometry.row_lane_blocks), so there
-//    is no grid-stride loop, whose setup the compiler hoisted ahead of the
-//    first row's loads: without it the SWA rows were 8% and the C4A and
-//    SWA-only combined rows 9-10% faster (the C128A combined rows 5-8% slower
-//    with the unrolled column loop, hence the combine's ColumnLoop::kCompact);
-//  * the length written before the columns: SWA and SWA-only combined rows
-//    4-5% faster than after them.
+//    is no grid-stride loop, whose set-up the compiler hoists ahead of the
+//    first row's loads;
+//  * the length is written before the columns, while the row's loads are in
+//    flight.
 template <ColumnLoop kLoop = ColumnLoop::kUnrolled, int kLanes = DSV4_WARP_LANES,
           int kThreads = DSV4_THREADS, typename RowAt>
 __device__ __forceinline__ void fill_rows(int* __restrict__ out, i64 out_stride,

@@ -31,10 +31,9 @@ constexpr int kGroupSlices = 4;                    // entries per thread per gro
 constexpr int kWarps = DSV4_THREADS / DSV4_WARP_LANES;
 
 // `pointer`, hidden from the compiler's address arithmetic. A row's table row
-// goes through it: otherwise the compiler folded the row's base into each
+// goes through it: otherwise the compiler folds the row's base into each
 // entry's address, four 64-bit multiplies between the row's first loads and
-// its table reads (SASS, sm_90: 64 instructions there, 34 with it, as many as
-// upstream's kernel has).
+// its table reads.
 template <typename T>
 __device__ __forceinline__ T* opaque(T* pointer) {
     asm("mov.b64 %0, %0;" : "+l"(pointer));
@@ -153,18 +152,14 @@ __device__ __forceinline__ void global_topk_compact_rows(const GlobalTopkParams&
     }
 }
 
-// Rows in place of their entries. A row's first vector, its request and its
-// validity are read together, before anything waits on one of them. Measured
-// on the H200 in one process at K = 512, 1 / 16 / 64 / 512 rows: 1.69 / 1.77 /
-// 1.87 / 2.98 us against 1.81 / 1.88 / 2.00 / 2.97 with the count after the
-// table reads, the row's base folded into each entry's address and a
-// grid-stride loop (the port 1.67 / 1.75 / 1.92 / 2.87); with the loop alone
-// 1.71 / 1.83 / 1.92 / 2.94, and the fused C4A layer kernel 1-2% slower. A
-// block of K / 4 threads (128) against 256, in another process: 1.79 / 1.84 /
-// 1.88 / 2.97 against 1.78 / 1.87 / 1.90 / 3.03 (the port 1.78 / 1.87 / 1.93
-// / 2.99).
-// `columns` stays 64-bit: as an int it took the fused C4A layer kernel from 62
-// to 69-73 registers, a block less per SM, and its combined rows 13% slower.
+// Rows in place of their entries, a block per row (no grid-stride loop, whose
+// set-up would wait ahead of the row's first loads), K / 4 threads for a
+// compiled-in K. A row's first vector, its request and its validity are read
+// together, before anything waits on one of them, and the row is counted
+// while its table reads are in flight: at decode sizes the row's dependent
+// loads are its whole cost (docs/performance.md).
+// `columns` stays 64-bit: as an int it costs the fused C4A layer kernel
+// registers, a block per SM.
 template <int kWidth, int kThreads, typename Divisor>
 __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, const Blocks& blocks,
                                                  const Divisor& bs) {
@@ -212,12 +207,9 @@ __device__ __forceinline__ void global_topk_rows(const GlobalTopkParams& p, cons
 // kWidth and kBlockSize are K and the block size compiled in (families.TOP_K_AXIS
 // and C4A_BLOCK_AXIS), or DSV4_RUN_TIME for p's. The compact rows are their own
 // entry point (families.GLOBAL_TOPK_COMPACT): a branch between the two, even on
-// a struct field, put the compact code first and the row's entry loads after
+// a struct field, puts the compact code first and the row's entry loads after
 // its request's. A compiled-in K also means 16-byte rows (the host picks it
-// only then), so its rows have one code path. Measured on the H200 at K = 512,
-// each run in one process with the Triton port: 1 / 64 / 512 rows 1.92 / 2.03
-// / 3.05 us against the port's 1.78 / 1.90 / 2.98; with the branch 2.14 / 2.24
-// / 3.29 against 1.66 / 1.82 / 2.84.
+// only then), so its rows have one code path.
 template <int kWidth, int kBlockSize, int kThreads = DSV4_THREADS>
 __device__ __forceinline__ void global_topk_indices_and_lens(const GlobalTopkParams& p,
                                                              const Blocks& blocks = whole_grid()) {

@@ -16,7 +16,7 @@ __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPref
     __shared__ i64 scratch[DSV4_THREADS / DSV4_WARP_LANES];
     const int* __restrict__ qsl = p.query.query_start_loc;
     const int* __restrict__ seq_lens = p.query.seq_lens;
-    const i64 num_reqs = p.query.num_reqs, base = qsl[0];
+    const i64 num_reqs = p.query.num_reqs, chunk_start = qsl[0];
     const i64 slice_start = p.query_slice_start, slice_stop = p.query_slice_stop;
     for (i64 b = blocks.index; b <= num_reqs; b += blocks.count) {
         i64 earlier = 0;
@@ -32,7 +32,7 @@ __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPref
             const i64 rows_end = min(first_row + rows, p.num_compressed);
             for (i64 x = first_row + threadIdx.x; x < rows_end; x += DSV4_THREADS)
                 p.token_to_seq[x] = (int)b;
-            const i64 qs = (i64)qsl[b] - base, qe = (i64)qsl[b + 1] - base;
+            const i64 qs = (i64)qsl[b] - chunk_start, qe = (i64)qsl[b + 1] - chunk_start;
             const i64 prefix = seq_len - (qe - qs);
             const i64 stop = min(qe, slice_stop);
             for (i64 a = (qs > slice_start ? qs : slice_start) + threadIdx.x; a < stop;
@@ -43,7 +43,7 @@ __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPref
         } else {
             for (i64 x = first_row + threadIdx.x; x < p.num_compressed; x += DSV4_THREADS)
                 p.token_to_seq[x] = DSV4_PAD_SLOT_ID;
-            const i64 total = (i64)qsl[num_reqs] - base;
+            const i64 total = (i64)qsl[num_reqs] - chunk_start;
             for (i64 a = (total > slice_start ? total : slice_start) + threadIdx.x; a < slice_stop;
                  a += DSV4_THREADS) {
                 p.seqlen_ks[a - slice_start] = (int)first_row;

@@ -77,7 +77,7 @@ struct C128AParams {
     i64 num_decode_tokens;
 };
 
-// --- the per-layer and indexer metadata families (upstream.md §2, §4-§6, §8) ----------------
+// --- the per-layer and indexer metadata families ----------------------------------------------
 struct SwaParams {               // compute_swa_indices_and_lens
     QueryLayout query;           // num_reqs = min(query_start_loc rows, seq_lens length)
     BlockTable table;            // the SWA group's block table

@@ -9,10 +9,8 @@
 // in a batch of requests of 2^guess_shift tokens each, a decode batch's, MTP
 // included) is read with token t's request and validity, so such a row's
 // loads form a chain of two (request and layout, block table) where
-// upstream's kernel has three; any other row reads its own request's layout
-// after them. Measured on the H200 in one process: 1 / 16 / 64 decode rows
-// 1.58 / 1.66 / 1.69 us against 1.75 / 1.80 / 1.88 without the guess (the
-// port 1.59 / 1.66 / 1.74); 256 requests of 2 tokens 1.76 against 1.91 (1.84).
+// vLLM's kernel has three; any other row reads its own request's layout
+// after them.
 #pragma once
 #include "common.cuh"
 
@@ -52,9 +50,9 @@ struct SwaToken {
 };
 
 // token_position, out of line, for a row whose request is not the guessed one.
-// Inline, ptxas merged its reads into the block of the row's first loads and
-// put the compare with the guess (a wait on the request's load) ahead of the
-// guessed reads: three load levels again on every decode row (SASS, sm_90).
+// Inline, ptxas merges its reads into the block of the row's first loads and
+// puts the compare with the guess (a wait on the request's load) ahead of the
+// guessed reads: three load levels again on every decode row.
 __device__ __noinline__ i64 token_position_out_of_line(const int* seq_lens, const int* qsl,
                                                         i64 request, i64 t) {
     return token_position(seq_lens[request], qsl[request + 1], t);
@@ -67,13 +65,10 @@ __device__ __noinline__ i64 token_position_out_of_line(const int* seq_lens, cons
 // families.SWA_WINDOW_AXIS and SWA_BLOCK_AXIS), or DSV4_RUN_TIME for p's. A
 // compiled-in window computes the window in 32 bits, the position clamped at
 // DSV4_POSITION_LIMIT: the host picks it only when the table row's span plus W
-// stays under that limit, so a clamped position sees no block either way.
-// Measured on the H200 in one process against the run-time kernel (w0_b0):
-// 1 / 16 / 64 decode rows 1.73 / 1.81 / 1.85 us against 1.81 / 1.88 / 1.89,
-// 8192 prefill rows 3.34 against 3.59; either value alone gained at most a
-// third of that. kLanes threads take a row: a warp, a 16-byte vector per lane,
-// or (geometry.row_lanes, for few rows) four warps, a column per thread as in
-// upstream's kernel.
+// stays under that limit, so a clamped position sees no block either way; with
+// both values compiled in, a row's code is one straight line. kLanes threads
+// take a row: a warp, a 16-byte vector per lane, or (geometry.row_lanes, for
+// few rows) four warps, a column per thread as in vLLM's kernel.
 template <int kWindow, int kBlockSize, int kLanes, int kThreads = DSV4_THREADS, typename TokenOf>
 __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& blocks,
                                          const TokenOf& token_of) {

@@ -63,3 +63,23 @@ def to_numpy(x):
 
 HOST_KINDS = ["numpy"] + (["torch_cpu"] if HAS_TORCH else [])
 GPU_KINDS = ["cupy"] + (["torch_cuda"] if HAS_TORCH else [])
+#: Every kind, the GPU ones marked (skipped without a device).
+KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+
+
+@pytest.fixture
+def programmatic(monkeypatch):
+    """PDL on, launches through cuLaunchKernelEx counted."""
+    import dsv4_cupy as d4
+    from dsv4_cupy import launch
+    assert launch.programmatic_launch_supported(0), "the H200 and driver 12.3+ have it"
+    launch_ex = launch.cu_launch_kernel_ex()
+    counted = []
+
+    def counting(*args):
+        counted.append(args[1])
+        return launch_ex(*args)
+    monkeypatch.setattr(launch, "cu_launch_kernel_ex", lambda: counting)
+    previous = d4.set_programmatic_launch(True)
+    yield counted
+    d4.set_programmatic_launch(previous)

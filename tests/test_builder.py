@@ -6,35 +6,18 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
+
 import reference as ref
-from batches import POISON, make_batch, random_batch
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
-
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
-MAX_TOKENS = 1024
-
-
-def common_metadata(batch, kind):
-    return d4.CommonAttentionMetadata(
-        query_start_loc=to_kind(batch.qsl, kind), query_start_loc_cpu=batch.qsl.copy(),
-        seq_lens=to_kind(batch.seq_lens, kind), block_table_tensor=to_kind(batch.block_table, kind),
-        slot_mapping=to_kind(batch.slot_mapping, kind), positions=to_kind(batch.positions, kind),
-        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
-        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-
-
-def make_builder(kind, ratio, max_model_len, policy="capacity", spec=0):
-    like = to_kind(np.zeros(1, np.int32), kind)
-    return d4.DeepseekV4MetadataBuilder(ratio, max_model_len, MAX_TOKENS, width_policy=policy,
-                                        num_speculative_tokens=spec, like=like)
-
-
-def poison(builder):
-    for name in ("req_id_per_token_buffer", "compressed_slot_mapping_buffer",
-                 "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer"):
-        buffer = getattr(builder, name)
-        if buffer is not None:
-            buffer[...] = POISON
+from conftest import HOST_KINDS, KINDS, to_numpy
+from helpers import (
+    MAX_TOKENS,
+    POISON,
+    common_metadata,
+    make_batch,
+    make_builder,
+    poison,
+    random_batch,
+)
 
 
 def check_build(builder, batch, kind):

@@ -1,4 +1,4 @@
-"""combine_topk_swa_indices (upstream.md §6, hardened V4.1 form) on every array
+"""combine_topk_swa_indices (hardened V4.1 form) on every array
 kind: upstream's accuracy cases, SWA-only layers (topk 0, a [T, 0] input),
 N = 0, a chunk layout not starting at 0, rows past the chunk's tokens,
 zero-length requests, L < q, the 0x7FC00000 index, the C128A shape (C = 8320)
@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
-from layer_runs import run_combine
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import KINDS, to_kind, to_numpy
+from helpers import POISON, random_combine_case, run_combine
+
 I32 = np.int32
 TOPK_C1 = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
 
@@ -77,27 +76,6 @@ def test_random_chunks_against_the_reference(kind):
     rng = np.random.default_rng(6)
     for _ in range(15):
         run_combine(kind, *random_combine_case(rng))
-
-
-def random_combine_case(rng):
-    """(topk_indices, qsl, seq_lens, gather_lens, W, ratio, topk, M, N) of one chunk."""
-    window = int(rng.choice([1, 3, 8, 128]))
-    ratio = int(rng.choice([1, 2, 4, 128]))
-    topk = int(rng.choice([0, 1, 5, 40, 300]))
-    query_lens = rng.integers(0, 7, int(rng.integers(0, 5)))
-    seq = query_lens + rng.integers(0, 400, len(query_lens))
-    seq[rng.random(len(seq)) < 0.1] = 0                          # L < q: negative positions
-    gather = query_lens + np.minimum(np.maximum(seq - query_lens, 0), window - 1)
-    gather -= (rng.random(len(gather)) < 0.2) * rng.integers(0, 3, len(gather))
-    first = int(rng.integers(0, 50))
-    qsl = (first + np.concatenate([[0], np.cumsum(query_lens)])).tolist()
-    tokens = int(query_lens.sum()) + int(rng.integers(0, 3))
-    compressed = int((seq // ratio).max()) if len(seq) else 0
-    swa_offset = max(compressed + int(rng.integers(-2, 3)), 0)
-    rows_per_request = swa_offset + max(int(gather.max()) if len(gather) else 0, 0) + 1
-    topk_indices = rng.integers(-1, compressed + 3, (tokens, topk + int(rng.integers(0, 3))))
-    return (topk_indices.astype(I32), qsl, seq.tolist(), gather.tolist(), window, ratio, topk,
-            rows_per_request, swa_offset)
 
 
 @pytest.mark.parametrize("kind", KINDS)

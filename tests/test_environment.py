@@ -8,8 +8,9 @@ import warnings
 import pytest
 
 import dsv4_cupy as d4
-from conftest import HAS_GPU
 from dsv4_cupy import device, errors, spec
+
+from conftest import HAS_GPU
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import KINDS, to_kind, to_numpy
+from helpers import POISON
+
 I32 = np.int32
 WINDOW, C4A_BLOCK = 128, 64
 

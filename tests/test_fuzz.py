@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import make_batch, random_batch
-from checks import check_c128a, check_slot_mapping, check_token_map
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
+
+from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
+from helpers import check_c128a, check_slot_mapping, check_token_map, make_batch, random_batch
 
 FUZZ_BATCHES = 10_000
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
 
 
 def fuzz_batch(rng):

@@ -1,5 +1,5 @@
-"""The indexer metadata (upstream.md §8.1, §8.2) on every array kind and the
-prefill chunk plan (§8.4, host): upstream's cases, a chunk not starting at 0,
+"""The indexer metadata on every array kind and the
+prefill chunk plan (host): upstream's cases, a chunk not starting at 0,
 query slices, num_compressed past or short of the total, padding tokens with
 distinct ids, padded block-table strides, the zeroed tail of a longer length
 buffer (vLLM #56562), and bad input."""
@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-import reference_upstream as upstream
-from batches import POISON
-from conftest import GPU_KINDS, HAS_TORCH, HOST_KINDS, to_kind, to_numpy
-from layer_runs import run_indexer_decode, run_indexer_prefill
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+import reference_upstream as upstream
+from conftest import GPU_KINDS, HAS_TORCH, KINDS, to_kind, to_numpy
+from helpers import POISON, random_indexer_prefill_case, run_indexer_decode, run_indexer_prefill
+
 I32, I64 = np.int32, np.int64
 
 
-# --- §8.1 prefill chunks -------------------------------------------------------------------------
+# --- prefill chunks -------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_chunk_upstream_cases(kind):
     cu, token_to_seq, ks, ke = run_indexer_prefill(kind, [10, 13, 15], [10, 7], 4, 0, 5)
@@ -41,17 +40,6 @@ def test_prefill_chunk_random_against_the_reference(kind):
         run_indexer_prefill(kind, *random_indexer_prefill_case(rng))
 
 
-def random_indexer_prefill_case(rng):
-    """(qsl, seq_lens, ratio, start, stop) of one chunk."""
-    query_lens = rng.integers(0, 20, int(rng.integers(0, 6)))
-    seq = query_lens + rng.integers(0, 300, len(query_lens))
-    qsl = (int(rng.integers(0, 30)) + np.concatenate([[0], np.cumsum(query_lens)])).tolist()
-    total = int(query_lens.sum())
-    start = int(rng.integers(0, total + 1))
-    return qsl, seq.tolist(), int(rng.choice([1, 4, 128])), start, int(
-        rng.integers(start, total + 1))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_num_compressed_past_or_short_of_the_total_and_a_slice_past_the_tokens(kind):
     qsl, seq = to_kind(np.array([0, 3, 5], I32), kind), to_kind(np.array([10, 7], I32), kind)
@@ -67,7 +55,7 @@ def test_num_compressed_past_or_short_of_the_total_and_a_slice_past_the_tokens(k
     assert to_numpy(ks).tolist() == [2, 2, 3, 3, 3] and to_numpy(ke).tolist() == [3, 3, 3, 3, 3]
 
 
-# --- §8.2 decode -------------------------------------------------------------------------------
+# --- decode -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_mixed_query_lengths_and_padding(kind):
     qsl = [0, 0, 2, 8, 8, 12]                                        # query lens [0, 2, 6, 0, 4]
@@ -117,7 +105,7 @@ def test_decode_zeroes_the_whole_tail_of_a_longer_length_buffer(kind):
     assert (to_numpy(context) == 0).all()
 
 
-# --- §8.4 chunk plan ---------------------------------------------------------------------------
+# --- chunk plan ---------------------------------------------------------------------------
 HOST_ARRAYS = [list, lambda x: np.array(x, I64)] + (
     [lambda x: __import__("torch").tensor(x, dtype=__import__("torch").int32)] if HAS_TORCH else [])
 

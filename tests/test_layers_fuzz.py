@@ -7,13 +7,21 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
+
 from conftest import GPU_KINDS, to_kind, to_numpy
-from layer_runs import (run_combine, run_gather_lens, run_global_topk, run_indexer_decode,
-                        run_indexer_prefill, run_short_context, run_swa)
-from test_c4a import random_global_topk_case
-from test_combine import random_combine_case
-from test_indexer import random_indexer_prefill_case
-from test_swa import random_swa_case
+from helpers import (
+    random_combine_case,
+    random_global_topk_case,
+    random_indexer_prefill_case,
+    random_swa_case,
+    run_combine,
+    run_gather_lens,
+    run_global_topk,
+    run_indexer_decode,
+    run_indexer_prefill,
+    run_short_context,
+    run_swa,
+)
 
 CASES_PER_FUNCTION = 300
 I32 = np.int32

@@ -7,11 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batches import random_batch
-from checks import check_c128a, check_slot_mapping, check_token_map
-from conftest import GPU_KINDS, HOST_KINDS
+from conftest import KINDS
+from helpers import check_c128a, check_slot_mapping, check_token_map, random_batch
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
 BATCHES_PER_CASE = 60
 
 

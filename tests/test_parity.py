@@ -7,17 +7,16 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-import reference_upstream as upstream
-from batches import POISON, make_batch
-from conftest import GPU_KINDS, HAS_TORCH, HOST_KINDS, to_kind, to_numpy
-from test_builder import MAX_TOKENS, common_metadata
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+import reference_upstream as upstream
+from conftest import GPU_KINDS, HAS_TORCH, HOST_KINDS, KINDS, to_kind, to_numpy
+from helpers import MAX_TOKENS, POISON, common_metadata, make_batch
+
 I32, I64 = np.int32, np.int64
 HOST_ARRAYS = ["numpy"] + (["torch_cpu"] if HAS_TORCH else [])
 
 
-# --- §1 the short-extend split ----------------------------------------------------------
+# --- the short-extend split ----------------------------------------------------------
 SPLIT_CASES = [   # qsl, T, threshold, uniform, is_prefilling, flag False, flag True
     ("S1", [0, 1, 2], 2, 1, True, [False, True], (1, 1, 1, 1), (2, 0, 2, 0)),
     ("S2", [0, 2, 4, 6, 8], 8, 2, False, [False, False, True, False], (2, 2, 4, 4), (4, 0, 8, 0)),
@@ -91,7 +90,7 @@ def test_builder_passes_the_flag_and_is_prefilling(kind):
     np.testing.assert_array_equal(to_numpy(md.c128a_prefill_topk_indices), want[2])
 
 
-# --- §3 padding rows ---------------------------------------------------------------------
+# --- padding rows ---------------------------------------------------------------------
 def run_c128a(kind, positions, nd, token_to_req, table, block_size, slots, width, **kwargs):
     gd = to_kind(np.full((nd + 2, width + 3), POISON, I32), kind)
     lens = to_kind(np.full(nd + 2, POISON, I32), kind)
@@ -107,7 +106,7 @@ def run_c128a(kind, positions, nd, token_to_req, table, block_size, slots, width
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_p1_padding_decode_row_is_all_minus_one(kind):
+def test_padding_decode_row_is_all_minus_one(kind):
     gd, lens, pf = run_c128a(kind, [255, 511, 383, 639], 2, [0, 1, 0, 1], [[3], [5]], 512,
                              [0, -1, 2, 3], 4)
     assert gd.tolist() == [[1536, 1537, -1, -1], [-1, -1, -1, -1]]
@@ -115,7 +114,7 @@ def test_p1_padding_decode_row_is_all_minus_one(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_p2_padding_row_reads_no_table(kind):
+def test_padding_row_reads_no_table(kind):
     gd, lens, pf = run_c128a(kind, [1000, 300, 300], 2, [0, 1, 1],
                              [[7, 3, 9, 4], [2, 2, 2, 2]], 2, [5, -1, 9], 128)
     assert gd[0, :8].tolist() == [14, 15, 6, 7, 18, 19, 8, -1] and (gd[1] == -1).all()
@@ -123,12 +122,12 @@ def test_p2_padding_row_reads_no_table(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_p3_padding_with_a_stale_huge_position_writes_minus_one_only(kind):
+def test_padding_with_a_stale_huge_position_writes_minus_one_only(kind):
     gd, lens, _ = run_c128a(kind, [1_048_575], 1, [0], [[4]], 2, [-1], 8192)
     assert (gd == -1).all() and lens.tolist() == [0]
 
 
-# --- §2 decode context parallelism ---------------------------------------------------------
+# --- decode context parallelism ---------------------------------------------------------
 D_TABLE = [[30 + 8 * i + j for j in range(8)] for i in range(3)]
 
 
@@ -140,7 +139,7 @@ D_TABLE = [[30 + 8 * i + j for j in range(8)] for i in range(3)]
     (4, 0, [[60, 61], [76, 77, 78, 79], [92]], [2, 4, 1]),                             # D3
     (4, 3, [[60, 61], [76, 77, 78, 79], []], [2, 4, 0]),
 ])
-def test_d1_to_d3_owned_rows_packed_to_the_front(kind, world, rank, rows, lens):
+def test_owned_rows_packed_to_the_front(kind, world, rank, rows, lens):
     gd, got_lens, _ = run_c128a(kind, [1023, 2047, 127], 3, [0, 1, 2], D_TABLE, 2, [0, 1, 2],
                                 128, dcp_world_size=world, dcp_rank=rank)
     assert got_lens.tolist() == lens
@@ -150,7 +149,7 @@ def test_d1_to_d3_owned_rows_packed_to_the_front(kind, world, rank, rows, lens):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rank,want", [(0, [40, 41, 42, 43, 44, 45]), (1, [40, 41, 42, 43])])
-def test_d4_interleave_two(kind, rank, want):
+def test_interleave_two(kind, rank, want):
     gd, lens, _ = run_c128a(kind, [1279], 1, [0], [list(range(10, 20))], 4, [0], 128,
                             dcp_world_size=2, dcp_rank=rank, cp_kv_cache_interleave_size=2)
     assert lens.tolist() == [len(want)] == [d4.get_dcp_local_seq_lens(10, 2, rank, 2)]
@@ -158,14 +157,14 @@ def test_d4_interleave_two(kind, rank, want):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_d5_validity_under_dcp_is_num_valid_tokens_not_the_slot(kind):
+def test_validity_under_dcp_is_num_valid_tokens_not_the_slot(kind):
     _, lens, _ = run_c128a(kind, [1023] * 3, 3, [0, 0, 0], D_TABLE, 2, [-1, 0, -1], 128,
                            dcp_world_size=2, dcp_rank=0, num_valid_tokens=2)
     assert lens.tolist() == [4, 4, 0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_d6_get_dcp_local_seq_lens(kind):
+def test_get_dcp_local_seq_lens(kind):
     seq = to_kind(np.array([7, 1, 0, 13], I32), kind)
     assert to_numpy(d4.get_dcp_local_seq_lens(seq, 4)).tolist() == [
         [2, 2, 2, 1], [1, 0, 0, 0], [0, 0, 0, 0], [4, 3, 3, 3]]
@@ -251,7 +250,7 @@ def test_builder_under_dcp_equals_the_ops(kind, world, rank):
     np.testing.assert_array_equal(to_numpy(md.c128a_decode_topk_lens), want["c128a_decode_lens"])
 
 
-# --- §4 slot-mapping signatures ----------------------------------------------------------------
+# --- slot-mapping signatures ----------------------------------------------------------------
 def slots(kind, num_tokens, qsl, seq, table, block_size, ratio, *args, **kwargs):
     out = to_kind(np.full(num_tokens + 2, POISON, I64), kind)
     got = d4.get_compressed_slot_mapping(num_tokens, to_kind(np.array(qsl, I32), kind),
@@ -263,7 +262,7 @@ def slots(kind, num_tokens, qsl, seq, table, block_size, ratio, *args, **kwargs)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_c1_token_slot_mapping_rule(kind):
+def test_token_slot_mapping_rule(kind):
     qsl, seq, table = [0, 133], [260], [[7, 9]]
     got = slots(kind, 133, qsl, seq, table, 2, 128)
     assert got[0] == 14 and got[128] == 15 and (np.delete(got, [0, 128]) == -1).all()
@@ -277,7 +276,7 @@ def test_c1_token_slot_mapping_rule(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_c2_positional_context_parallel_arguments(kind):
+def test_positional_context_parallel_arguments(kind):
     for rank, want in ((0, {3: 192, 11: 193}), (1, {7: 192, 15: 193})):
         got = slots(kind, 16, [0, 16], [16], [[3, 8]], 64, 4, 2, rank, 1)   # vLLM's B order
         assert {i: int(v) for i, v in enumerate(got[:16]) if v >= 0} == want
@@ -286,7 +285,7 @@ def test_c2_positional_context_parallel_arguments(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_c3_world_two_ratio_128(kind):
+def test_world_two_ratio_128(kind):
     for rank, entries in ((0, [127, 383, 639, 895]), (1, [255, 511, 767, 1023])):
         got = slots(kind, 1024, [0, 1024], [1024], [[30, 31, 32, 33]], 2, 128, 2, rank)
         assert {i: int(v) for i, v in enumerate(got[:1024]) if v >= 0} == dict(

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON, make_batch, random_batch
+
 from conftest import GPU_KINDS, to_kind, to_numpy
-from test_builder import common_metadata
+from helpers import POISON, common_metadata, make_batch, random_batch
 
 pytestmark = pytest.mark.gpu
 I32, I64 = np.int32, np.int64

@@ -12,10 +12,18 @@ import pytest
 
 import reference as ref
 from reference_upstream import (
-    c128a_topk_v2, combine_topk_swa_indices, compressed_slot_mapping_v2, dcp_local_seq_lens,
-    fill_short_context_topk_indices, global_topk_indices_and_lens,
-    indexer_decode_metadata, indexer_prefill_chunk_metadata, prefill_chunk_plan,
-    prefill_gather_lens, split_decodes_and_prefills_v2, swa_indices_and_lens,
+    c128a_topk_v2,
+    combine_topk_swa_indices,
+    compressed_slot_mapping_v2,
+    dcp_local_seq_lens,
+    fill_short_context_topk_indices,
+    global_topk_indices_and_lens,
+    indexer_decode_metadata,
+    indexer_prefill_chunk_metadata,
+    prefill_chunk_plan,
+    prefill_gather_lens,
+    split_decodes_and_prefills_v2,
+    swa_indices_and_lens,
 )
 
 NEG = -1

@@ -5,18 +5,22 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-import reference as ref
-from batches import POISON, make_batch
-from checks import check_c128a, check_slot_mapping
-from conftest import GPU_KINDS, HOST_KINDS, HAS_GPU, to_kind, to_numpy
-from test_builder import common_metadata, make_builder
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
+from helpers import (
+    POISON,
+    check_c128a,
+    check_slot_mapping,
+    common_metadata,
+    make_batch,
+    make_builder,
+)
+
 I32, I64 = np.int32, np.int64
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug01_width_overflow_never_spills_into_the_next_row(kind):
+def test_width_overflow_never_spills_into_the_next_row(kind):
     """§4.1: the kernel's default width (8192) wrote past narrow rows."""
     batch = make_batch([1, 1, 3], [1 << 19, 1 << 19, 1 << 19])
     rows = to_kind(np.full((8, 512), POISON, I32), kind)
@@ -31,7 +35,7 @@ def test_bug01_width_overflow_never_spills_into_the_next_row(kind):
     assert (gd[:, :512] >= 0).all() and (pf == np.arange(512)).all()
 
 
-def test_bug02_unaligned_widths_are_padded_to_128():
+def test_unaligned_widths_are_padded_to_128():
     """§4.2: width 17 (max_model_len 2136) crashed the sm100 head-64 decode kernel."""
     assert d4.c128a_capacity(2136) == 128
     for max_model_len in (1, 2136, 65_537, 300_000, 1_032_192, 1_048_575):
@@ -43,7 +47,7 @@ def test_bug02_unaligned_widths_are_padded_to_128():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug03_row_stride_is_the_capacity_whatever_the_batch(kind):
+def test_row_stride_is_the_capacity_whatever_the_batch(kind):
     """§4.3 (#52448): a packed, batch-dependent row stride broke captured decode consumers."""
     builder = make_builder(kind, 128, 1 << 20, "active")
     strides = set()
@@ -55,7 +59,7 @@ def test_bug03_row_stride_is_the_capacity_whatever_the_batch(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug04_capture_at_more_than_max_model_len_clamps_to_capacity(kind):
+def test_capture_at_more_than_max_model_len_clamps_to_capacity(kind):
     """§4.4: capture-time max_seq_len // 128 beyond the 8192 cap tripped an assert at 1M."""
     assert d4.c128a_active_width(1 << 20, 8192) == 8192
     assert d4.c128a_active_width((1 << 20) + 4096, 8192) == 8192
@@ -66,7 +70,7 @@ def test_bug04_capture_at_more_than_max_model_len_clamps_to_capacity(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug12_padding_tokens_get_length_zero_and_request_zero(kind):
+def test_padding_tokens_get_length_zero_and_request_zero(kind):
     """§4.12 / §2.9.3: padding decode tokens: length 0, request 0, slot -1."""
     batch = make_batch([1, 1], [5000, 9000], pad_tokens=3, pad_position=200_000)
     batch.block_table = np.ascontiguousarray(batch.block_table[:, :80])   # narrow rows
@@ -79,7 +83,7 @@ def test_bug12_padding_tokens_get_length_zero_and_request_zero(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
-def test_bug11_addresses_past_two_to_the_31_elements(kind):
+def test_addresses_past_two_to_the_31_elements(kind):
     """§4.11: int32 address arithmetic overflowed past 2^31 elements. Rows are
     placed 2^30 elements apart inside an 8 GiB buffer, so row 2 starts at 2^31."""
     import cupy
@@ -110,7 +114,7 @@ def test_bug11_addresses_past_two_to_the_31_elements(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug11_slot_ids_beyond_int32_stay_exact(kind):
+def test_slot_ids_beyond_int32_stay_exact(kind):
     """§4.11: the compressed slot (block * block_size + offset) is int64."""
     batch = make_batch([128], [0], ratio=4, rng=np.random.default_rng(3))
     batch.block_table[:] = (1 << 30) + 5
@@ -119,7 +123,7 @@ def test_bug11_slot_ids_beyond_int32_stay_exact(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug13_sentinel_is_minus_one_not_zero(kind):
+def test_sentinel_is_minus_one_not_zero(kind):
     """§4.13 (SGLang #24872): non-closing tokens wrote slot 0 and clobbered row 0."""
     batch = make_batch([300, 5], [0, 1000], pad_tokens=4)
     out = check_slot_mapping(batch, kind)
@@ -128,7 +132,7 @@ def test_bug13_sentinel_is_minus_one_not_zero(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug14_width_is_the_cache_capacity_not_index_topk(kind):
+def test_width_is_the_cache_capacity_not_index_topk(kind):
     """§4.14: truncating C128A to index_topk dropped the newest compressed rows."""
     builder = make_builder(kind, 128, 1 << 20)
     assert builder.topk_tokens == 512 and builder.capacity == 8192
@@ -140,7 +144,7 @@ def test_bug14_width_is_the_cache_capacity_not_index_topk(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug18_masked_lanes_never_address_out_of_range(kind):
+def test_masked_lanes_never_address_out_of_range(kind):
     """§4.10/4.18: garbage positions of padding tokens and narrow block-table rows.
     Padding tokens read nothing; rows past the table row's blocks are -1 and not
     counted (one rule everywhere); under compute-sanitizer memcheck the GPU run
@@ -159,7 +163,7 @@ def test_bug18_masked_lanes_never_address_out_of_range(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bug09_token_map_follows_the_device_query_start_loc(kind):
+def test_token_map_follows_the_device_query_start_loc(kind):
     """§4.9 (#56562): the host copy of the boundaries can be stale."""
     batch = make_batch([1, 2, 1], [10, 20, 30], threshold=2)
     cm = common_metadata(batch, kind)
@@ -168,7 +172,7 @@ def test_bug09_token_map_follows_the_device_query_start_loc(kind):
     assert to_numpy(md.req_id_per_token).tolist() == [0, 1, 1, 2]
 
 
-def test_bug08_missing_positions_is_a_clear_error():
+def test_missing_positions_is_a_clear_error():
     """§4.8 (#43964): 'positions is required' — here a ValueError naming it."""
     cm = common_metadata(make_batch([1], [10]), "numpy")
     cm.positions = None
@@ -176,7 +180,7 @@ def test_bug08_missing_positions_is_a_clear_error():
         make_builder("numpy", 128, 1 << 16).build(0, cm)
 
 
-def test_bug17_decode_threshold_is_one_plus_speculative_tokens():
+def test_decode_threshold_is_one_plus_speculative_tokens():
     """§4.17: the C128A split must match the SWA builder's 1 + num_speculative_tokens."""
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, num_speculative_tokens=3)
     assert builder.decode_threshold == 4
@@ -185,7 +189,7 @@ def test_bug17_decode_threshold_is_one_plus_speculative_tokens():
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefill_tokens) == (2, 8, 5)
 
 
-def test_bug06_no_compile_on_the_serving_path_cpu(monkeypatch):
+def test_no_compile_on_the_serving_path_cpu(monkeypatch):
     """§4.6: JIT compiles in the serving loop. After warmup(cpu=True) a build
     compiles nothing: numba's dispatchers gain no new signature."""
     from dsv4_cupy import cpu
@@ -201,7 +205,7 @@ def test_bug06_no_compile_on_the_serving_path_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_bug06_no_compile_on_the_serving_path_gpu(monkeypatch):
+def test_no_compile_on_the_serving_path_gpu(monkeypatch):
     """After warmup() no call reaches the compiler: the loader is replaced by one that fails."""
     from dsv4_cupy import loader
     d4.warmup()
@@ -216,7 +220,7 @@ def test_bug06_no_compile_on_the_serving_path_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_bug19_the_gpu_build_never_syncs():
+def test_the_gpu_build_never_syncs():
     """§4.19: a forced device->host sync per step. A CuPy stream capture fails on
     any sync or D2H copy, so a build that captures has none."""
     import cupy

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON, make_batch
-from conftest import GPU_KINDS, HAS_GPU, HAS_TORCH, HOST_KINDS, to_kind, to_numpy
-from test_builder import common_metadata, make_builder, poison
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import HAS_GPU, HAS_TORCH, KINDS, to_kind, to_numpy
+from helpers import POISON, common_metadata, make_batch, make_builder
+
 I32, I64 = np.int32, np.int64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,7 +64,7 @@ FORK_SCRIPT = """
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_item01_a_forked_child_runs_the_cpu_path_after_its_parent():
+def test_a_forked_child_runs_the_cpu_path_after_its_parent():
     run = run_python(FORK_SCRIPT)
     assert run.returncode == 0, run.stderr
     assert "child exit 0" in run.stdout, run.stdout + run.stderr
@@ -91,7 +90,7 @@ THREADS_SCRIPT = """
 
 
 @pytest.mark.parametrize("layer", ["workqueue", "omp", "tbb"])
-def test_item02_eight_threads_under_each_threading_layer(layer):
+def test_eight_threads_under_each_threading_layer(layer):
     run = run_python(THREADS_SCRIPT, env={"NUMBA_THREADING_LAYER": layer})
     if "No threading layer could be loaded" in run.stderr or (
             run.returncode != 0 and "threading layer" in run.stderr.lower()
@@ -102,7 +101,7 @@ def test_item02_eight_threads_under_each_threading_layer(layer):
 
 
 # --- 3: split and num_reqs ----------------------------------------------------------------
-def test_item03_split_reads_num_reqs_and_refuses_a_short_token_count():
+def test_split_reads_num_reqs_and_refuses_a_short_token_count():
     cm = common_metadata(make_batch([1, 1], [10, 20]), "numpy")
     cm.query_start_loc_cpu = np.array([0, 1, 2, 2, 2], I32)       # longer than num_reqs + 1
     assert d4.split_decodes_and_prefills(cm) == (2, 0, 2, 0)
@@ -113,7 +112,7 @@ def test_item03_split_reads_num_reqs_and_refuses_a_short_token_count():
 
 
 # --- 4: builder views -----------------------------------------------------------------------
-def test_item04_a_view_changed_in_place_is_not_handed_out_again():
+def test_a_view_changed_in_place_is_not_handed_out_again():
     builder = make_builder("numpy", 128, 1 << 16)
     cm = common_metadata(make_batch([1, 1], [300, 700]), "numpy")
     first = builder.build(0, cm)
@@ -127,7 +126,7 @@ def test_item04_a_view_changed_in_place_is_not_handed_out_again():
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
-def test_item04_torch_views_reshaped_in_place_are_replaced():
+def test_torch_views_reshaped_in_place_are_replaced():
     builder = make_builder("torch_cpu", 128, 1 << 16)
     cm = common_metadata(make_batch([1, 1], [300, 700]), "torch_cpu")
     builder.build(0, cm).c128a_decode_topk_lens.unsqueeze_(0)
@@ -135,7 +134,7 @@ def test_item04_torch_views_reshaped_in_place_are_replaced():
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
-def test_item04_a_builder_made_under_inference_mode_builds_and_watches_its_views():
+def test_a_builder_made_under_inference_mode_builds_and_watches_its_views():
     import torch
     with torch.inference_mode():           # inference tensors have no version counter
         builder = make_builder("torch_cpu", 128, 1 << 16)
@@ -146,7 +145,7 @@ def test_item04_a_builder_made_under_inference_mode_builds_and_watches_its_views
 
 # --- 5: a failed build leaves the last step intact; one -1 rule -----------------------------
 @pytest.mark.parametrize("kind", KINDS)
-def test_item05_a_request_outside_the_table_gets_minus_one_not_another_requests_blocks(kind):
+def test_a_request_outside_the_table_gets_minus_one_not_another_requests_blocks(kind):
     batch = make_batch([1, 1, 1], [900, 5000, 700])
     cm = common_metadata(batch, kind)
     cm.block_table_tensor = to_kind(batch.block_table[:2], kind)    # request 2 has no row
@@ -157,7 +156,7 @@ def test_item05_a_request_outside_the_table_gets_minus_one_not_another_requests_
     assert (rows[1, :39] == batch.block_table[1, np.arange(39) // 2] * 2 + np.arange(39) % 2).all()
 
 
-def test_item05_a_failed_full_build_names_the_field_and_writes_nothing():
+def test_a_failed_full_build_names_the_field_and_writes_nothing():
     batch = make_batch([1, 1, 1], [900, 5000, 700])
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, width_policy="capacity",
                                            validate="full")
@@ -174,7 +173,7 @@ def test_item05_a_failed_full_build_names_the_field_and_writes_nothing():
 
 
 # --- 6: alignment and strides ------------------------------------------------------------------
-def test_item06_a_misaligned_pointer_or_an_odd_stride_is_refused():
+def test_a_misaligned_pointer_or_an_odd_stride_is_refused():
     raw = np.zeros(4 * 9 + 1, np.uint8)
     misaligned = np.ndarray((9,), I32, buffer=raw, offset=1)
     with pytest.raises(ValueError, match="out: expected an address aligned to the item size"):
@@ -190,7 +189,7 @@ def test_item06_a_misaligned_pointer_or_an_odd_stride_is_refused():
                                     out=torch.from_numpy(misaligned))
 
 
-def test_item06_interleaved_column_slices_of_one_buffer_do_not_overlap():
+def test_interleaved_column_slices_of_one_buffer_do_not_overlap():
     buffer = np.full((8, 512), POISON, I32)
     decode, prefill = buffer[:, :256], buffer[:, 256:]
     gd, _, pf = d4.build_c128a_topk_metadata(
@@ -206,7 +205,7 @@ def test_item06_interleaved_column_slices_of_one_buffer_do_not_overlap():
 
 
 @pytest.mark.gpu
-def test_item06_a_misaligned_device_pointer_is_refused():
+def test_a_misaligned_device_pointer_is_refused():
     import cupy
     base = cupy.zeros(40, cupy.uint8)
     misaligned = cupy.ndarray((9,), cupy.int32, base.data + 1)
@@ -216,7 +215,7 @@ def test_item06_a_misaligned_device_pointer_is_refused():
 
 # --- 7: kernels after a device reset ------------------------------------------------------------
 @pytest.mark.gpu
-def test_item07_kernels_reload_after_a_device_reset():
+def test_kernels_reload_after_a_device_reset():
     run = run_python("""
         import ctypes, cupy, numpy as np, dsv4_cupy as d4
         # No memory pools: CuPy's own pools do not survive a reset; allocations
@@ -239,21 +238,21 @@ def test_item07_kernels_reload_after_a_device_reset():
 
 
 # --- 8, 9, 10: bounded work on garbage --------------------------------------------------------
-def test_item08_a_garbage_position_does_not_size_the_output():
+def test_a_garbage_position_does_not_size_the_output():
     gd, _, pf = d4.build_c128a_topk_metadata(np.array([1 << 40, 5], I64), 128, 1,
                                             np.zeros(1, I32), np.zeros((1, 8), I32), 2,
                                             np.full(2, -1, I64))
     assert gd.shape == (1, 8192) and pf.shape == (1, 8192)
 
 
-def test_item09_a_garbage_query_layout_costs_no_more_than_the_output():
+def test_a_garbage_query_layout_costs_no_more_than_the_output():
     start = time.perf_counter()
     out = d4.get_compressed_slot_mapping(4, np.array([-2**31, 2**31 - 1], I32),
                                          np.array([2**31 - 1], I32), np.zeros((1, 4), I32), 2, 128)
     assert time.perf_counter() - start < 1.0 and to_numpy(out).shape == (4,)
 
 
-def test_item10_an_interleave_larger_than_the_storage_block_is_refused():
+def test_an_interleave_larger_than_the_storage_block_is_refused():
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size: expected a divisor of the "
                                          "storage block size 2 when cp_world_size > 1, got 4"):
         d4.get_compressed_slot_mapping(4, np.array([0, 4], I32), np.array([4], I32),
@@ -264,7 +263,7 @@ def test_item10_an_interleave_larger_than_the_storage_block_is_refused():
 
 
 # --- 11: no compile after warmup ------------------------------------------------------------
-def test_item11_read_only_and_column_sliced_inputs_compile_nothing_after_warmup():
+def test_read_only_and_column_sliced_inputs_compile_nothing_after_warmup():
     d4.warmup(gpu=False, cpu=True)
     before = [len(f.signatures) for f in numba_dispatchers()]
     batch = make_batch([1, 2, 40], [100, 5000, 0], threshold=2)
@@ -318,7 +317,7 @@ def check_error(call, error, match):
 ], ids=["read-only out", "max_query_len str", "num_cache_blocks str", "device str",
         "block_size huge", "negative capacity", "negative max_model_len",
         "negative block_size", "1-D rows wording", "huge num_tokens"])
-def test_item12_first_use_errors_name_the_argument(call, error, match):
+def test_first_use_errors_name_the_argument(call, error, match):
     check_error(call, error, match)
 
 
@@ -327,14 +326,14 @@ def _read_only(array):
     return array
 
 
-def test_item12_compile_with_a_bad_arch_says_so_once():
+def test_compile_with_a_bad_arch_says_so_once():
     run = subprocess.run([sys.executable, "-m", "dsv4_cupy", "compile", "--arch", "90"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and run.stdout.count("FAILED") == 1
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
-def test_item13_bench_without_a_gpu_points_to_cpu_only():
+def test_bench_without_a_gpu_points_to_cpu_only():
     run = subprocess.run([sys.executable, "-m", "dsv4_cupy", "bench"], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr
@@ -342,7 +341,7 @@ def test_item13_bench_without_a_gpu_points_to_cpu_only():
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
-def test_item13_no_gpu_error_says_no_gpu_was_found():
+def test_no_gpu_error_says_no_gpu_was_found():
     from dsv4_cupy import device, errors
     pytest.importorskip("cupy")
     with pytest.raises(errors.NoGPUError, match="no GPU or no NVIDIA driver was found") as info:
@@ -353,14 +352,14 @@ def test_item13_no_gpu_error_says_no_gpu_was_found():
 # --- 14 is tests/test_readme.py; 15, 16 -------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("ratio", [1, 4, 128])
-def test_item15_split_counts_for_every_ratio(kind, ratio):
+def test_split_counts_for_every_ratio(kind, ratio):
     batch = make_batch([1, 2, 30], [500, 900, 60], ratio=ratio, threshold=2)
     md = make_builder(kind, ratio, 1 << 16, spec=1).build(0, common_metadata(batch, kind))
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == (
         2, 1, 3, 30)
 
 
-def test_item16_a_logical_block_passed_to_an_op_warns_under_full_validation():
+def test_a_logical_block_passed_to_an_op_warns_under_full_validation():
     args = (4, np.array([0, 4], I32), np.array([4], I32), np.zeros((1, 4), I32))
     with pytest.warns(UserWarning, match=r"block_size: the ops take the storage block, 256 // "
                                          r"compress_ratio = 2 for DeepSeek-V4, got 256 \(the "

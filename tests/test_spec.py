@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 import dsv4_cupy as d4
+
 import reference as ref
 
 

@@ -10,49 +10,13 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
 from dsv4_cupy.launch import PreparedLaunch
-from dsv4_cupy.combine import combined_width
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
+from helpers import POISON, make_step
+
 I32, I64 = np.int32, np.int64
 MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
-
-
-def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", decode_len=None,
-              max_model_len=MAX_MODEL_LEN):
-    """One CommonAttentionMetadata per group: shared layout, own tables and slots.
-    Decodes have 1 to 1 + SPEC tokens (``decode_len`` each when given)."""
-    decode_lens = (rng.integers(1, SPEC + 2, decodes) if decode_len is None
-                   else [decode_len] * decodes)
-    query = np.array(list(decode_lens) + list(prefill_lens), I64)
-    top = 300 if short else max_model_len - int(query.max(initial=1))
-    seq = query + rng.integers(0, top, len(query))
-    if len(seq):
-        seq[rng.integers(len(seq))] = min(int(seq.max()), max_model_len)
-    qsl = np.concatenate([[0], np.cumsum(query)]).astype(I32)
-    tokens = int(qsl[-1]) + pad
-    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
-                               [rng.integers(-5, 9, pad)]).astype(I32 if short else I64)
-    groups = {}
-    for group, block in (("swa", 64), ("c4a", 256), ("indexer", 256), ("c128a", 256)):
-        table = rng.integers(0, 1 << 16, (len(query), -(-max_model_len // block)), dtype=I32)
-        slots = rng.integers(0, 1 << 20, tokens).astype(I64)
-        slots[int(qsl[-1]):] = -1
-        slots[rng.random(tokens) < 0.05] = -1
-        groups[group] = d4.CommonAttentionMetadata(
-            query_start_loc=None, query_start_loc_cpu=qsl.copy(), seq_lens=None,
-            block_table_tensor=to_kind(table, kind), slot_mapping=to_kind(slots, kind),
-            num_reqs=len(query), num_actual_tokens=tokens,
-            max_query_len=int(query.max(initial=0)), max_seq_len=int(seq.max(initial=0)),
-            positions=None, seq_lens_cpu=seq.astype(I32))
-    shared = dict(query_start_loc=to_kind(qsl, kind), seq_lens=to_kind(seq.astype(I32), kind),
-                  positions=to_kind(positions, kind))
-    for cm in groups.values():
-        for name, value in shared.items():
-            setattr(cm, name, value)
-    return groups
 
 
 def poison(builder):
@@ -280,72 +244,6 @@ def test_bad_steps_are_refused_naming_the_group():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
-def test_a_captured_step_replays_new_values_like_an_eager_build(kind):
-    """50 replays of random decode steps of the captured shape, each against an
-    eager build of the same step."""
-    import cupy
-    rng = np.random.default_rng(8)
-    like = to_kind(np.zeros(1, I32), kind)
-    captured = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
-                                                num_speculative_tokens=SPEC, like=like)
-    eager = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
-                                             num_speculative_tokens=SPEC, like=like,
-                                             width_policy="capacity")
-    cms = make_step(rng, 8, [], 2, False, kind, decode_len=2)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    if kind == "cupy":
-        cupy.cuda.Device().synchronize()     # the null stream's copies land before the stream's work
-        with stream:
-            captured.build(0, cms, capturing=True)
-            stream.begin_capture()
-            got = captured.build_for_cudagraph_capture(cms)
-            graph = stream.end_capture()
-
-        def replay():
-            cupy.cuda.Device().synchronize()     # the refresh's copies (null stream) land first
-            graph.launch(stream)
-
-        sync = stream.synchronize
-    else:
-        import torch
-        torch_graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            captured.build(0, cms, capturing=True)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(torch_graph):
-            got = captured.build_for_cudagraph_capture(cms)
-        replay, sync = torch_graph.replay, torch.cuda.synchronize
-    for _ in range(50):
-        fresh = make_step(rng, 8, [], 2, False, "numpy", decode_len=2)
-        for group, cm in cms.items():       # refresh the captured arrays in place
-            new = fresh[group]
-            for name in ("block_table_tensor", "slot_mapping"):
-                getattr(cm, name)[...] = to_kind(getattr(new, name), kind)
-            cm.max_seq_len, cm.max_query_len = new.max_seq_len, new.max_query_len
-            cm.query_start_loc_cpu[...] = new.query_start_loc_cpu
-        cms["c128a"].query_start_loc[...] = to_kind(fresh["c128a"].query_start_loc_cpu, kind)
-        cms["c128a"].seq_lens[...] = to_kind(fresh["c128a"].seq_lens_cpu, kind)
-        cms["c128a"].positions[...] = to_kind(np.asarray(fresh["c128a"].positions), kind)
-        captured.check_replay(cms)
-        replay()
-        sync()
-        want = eager.build(0, cms, capturing=True)
-        for field in ("req_id_per_token", "is_valid_token", "swa_decode_indices",
-                      "swa_decode_lens", "c4a_slot_mapping", "indexer_slot_mapping",
-                      "indexer_context_lens", "indexer_req_ids", "indexer_block_rows"):
-            np.testing.assert_array_equal(to_numpy(getattr(got, field)),
-                                          to_numpy(getattr(want, field)), err_msg=field)
-        for field in ("c128a_global_decode_topk_indices", "c128a_decode_topk_lens"):
-            np.testing.assert_array_equal(to_numpy(getattr(got.c128a, field)),
-                                          to_numpy(getattr(want.c128a, field)), err_msg=field)
-    bigger = make_step(rng, 9, [], 2, False, kind, decode_len=2)
-    with pytest.raises(ValueError, match="captured shape"):
-        captured.check_replay(bigger)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", GPU_KINDS)
 def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
     """The second build of a step with the same arrays (new values) skips the
     checks and launches the prepared kernel; its outputs are still the ops'.
@@ -424,6 +322,7 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
     each chunk's first request, M and N, the rows it writes and where; the
     last chunk covers the step's padding rows."""
     import struct
+
     from dsv4_cupy import params
     rng = np.random.default_rng(12)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 4096, combined_prefill=True,
@@ -469,20 +368,3 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
                                    len(got.swa_prefill_chunks)) // params.MAX_PLAN_CHUNKS) > 1
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", GPU_KINDS)
-def test_a_capture_needs_groups_that_share_the_query_objects(kind):
-    """Other objects over the same memory pass the build's checks, but a
-    capture could not tell later arrays apart from them: it is refused before
-    anything is recorded."""
-    rng = np.random.default_rng(10)
-    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
-                                               num_speculative_tokens=SPEC,
-                                               like=to_kind(np.zeros(1, I32), kind))
-    cms = make_step(rng, 4, [], 0, False, kind, decode_len=2)
-    cms["swa"].query_start_loc = cms["c128a"].query_start_loc[:]   # same memory, new object
-    builder.build(0, cms)                                          # eager: accepted
-    with pytest.raises(ValueError, match="captured build needs"):
-        builder.build_for_cudagraph_capture(cms)
-    with pytest.raises(ValueError, match="nothing was captured"):
-        builder.check_replay(cms)

@@ -1,5 +1,5 @@
-"""compute_swa_indices_and_lens (upstream.md §2) and compute_prefill_gather_lens
-(§8.3) on every array kind: the golden positions, windows crossing a 64-token
+"""compute_swa_indices_and_lens and compute_prefill_gather_lens
+on every array kind: the golden positions, windows crossing a 64-token
 block, MTP decodes, padding and zero-length requests, -1 table tails, prefill
 rows after the decodes, and bad input."""
 from __future__ import annotations
@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
-from layer_runs import run_gather_lens, run_swa
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import KINDS, to_kind, to_numpy
+from helpers import POISON, random_swa_case, run_gather_lens, run_swa
+
 I32 = np.int32
 BT_SWA = [3, 5, 8, 13, -1, -1]   # blocks of 64 positions; a -1 tail past the used blocks
 
@@ -72,25 +71,6 @@ def test_random_steps_against_the_reference(kind):
         run_swa(kind, *random_swa_case(rng))
 
 
-def random_swa_case(rng):
-    """(window, qsl, seq_lens, token_to_req, is_valid, table, block_size, token_offset,
-    num_rows): decodes then prefills, zero-length requests, padding tokens."""
-    window = int(rng.choice([1, 4, 16, 128]))
-    block_size = int(rng.choice([1, 4, 64]))
-    query_lens = [int(q) for q in rng.integers(0, 13, int(rng.integers(0, 9)))]
-    prefixes = [int(p) for p in rng.integers(0, 300, len(query_lens))]
-    qsl = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)]).astype(int).tolist()
-    seq = [q + p - int(rng.random() < 0.05) * (q + 1) for q, p in zip(query_lens, prefixes)]
-    pad = int(rng.integers(0, 3))
-    token_to_req = np.repeat(np.arange(len(query_lens)), query_lens).tolist() + [0] * pad
-    valid = [bool(v) for v in rng.random(len(token_to_req)) < 0.9]
-    cols = int(rng.integers(1, 12))
-    table = rng.integers(-1, 1000, (max(len(query_lens), 1), cols)).astype(I32)
-    offset = int(rng.integers(0, len(token_to_req) + 1))
-    num_rows = int(rng.integers(0, len(token_to_req) - offset + 1))
-    return window, qsl, seq, token_to_req, valid, table, block_size, offset, num_rows
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_two_d_buffer_and_int32_wrap(kind):
     indices = to_kind(np.full((2, 6), POISON, I32), kind)
@@ -102,7 +82,7 @@ def test_a_two_d_buffer_and_int32_wrap(kind):
     assert to_numpy(indices)[0, :2].tolist() == [-1_294_967_296, -1]
 
 
-# --- §8.3 gather lengths -------------------------------------------------------------------------
+# --- gather lengths -------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_gather_lens(kind):
     assert run_gather_lens(kind, [0, 4, 8, 12, 16, 20], [80, 96, 112, 128, 144], 0, 5,

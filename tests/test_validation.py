@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import POISON, make_batch
+
+from helpers import POISON, common_metadata, make_batch
 
 I32, I64 = np.int32, np.int64
 
@@ -162,7 +163,6 @@ def test_full_validation_catches_bad_data(validate):
 def test_full_validation_in_the_builder():
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, validate="full")
     batch = make_batch([30, 1], [0, 500])            # a decode after a prefill
-    from test_builder import common_metadata
     with pytest.raises(ValueError, match="query_start_loc_cpu: expected decodes before prefills"):
         builder.build(0, common_metadata(batch, "numpy"))
     ok = make_batch([1, 30], [500, 0])
@@ -181,7 +181,6 @@ def test_builder_arguments():
 
 
 def test_builder_rejects_a_boundary_outside_the_step():
-    from test_builder import common_metadata
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64)
     cm = common_metadata(make_batch([1, 30], [500, 0]), "numpy")
     cm.query_start_loc_cpu = np.array([0, -5, 31], I32)       # garbage host boundaries
@@ -193,7 +192,6 @@ def test_builder_rejects_a_boundary_outside_the_step():
 
 def test_builder_reads_query_start_loc_up_to_num_reqs():
     """A padded query_start_loc (longer than num_reqs + 1) maps as on the GPU."""
-    from test_builder import common_metadata
     builder = d4.DeepseekV4MetadataBuilder(4, 1 << 16, 64)
     cm = common_metadata(make_batch([2, 2], [10, 20], ratio=4), "numpy")
     cm.query_start_loc = np.array([0, 2, 4, 8], I32)
@@ -204,7 +202,6 @@ def test_builder_reads_query_start_loc_up_to_num_reqs():
 
 
 def test_builder_rejects_step_arrays_inside_its_buffers():
-    from test_builder import common_metadata
     builder = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64)
     cm = common_metadata(make_batch([1, 1], [500, 700]), "numpy")
     cm.slot_mapping = builder.compressed_slot_mapping_buffer[:2]     # last step's result

@@ -5,11 +5,9 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
-from batches import make_batch
-from checks import check_c128a, check_slot_mapping
-from conftest import GPU_KINDS, HOST_KINDS, to_kind, to_numpy
 
-KINDS = HOST_KINDS + [pytest.param(k, marks=pytest.mark.gpu) for k in GPU_KINDS]
+from conftest import KINDS, to_kind, to_numpy
+from helpers import check_c128a, check_slot_mapping, make_batch
 
 
 def c128a(kind, positions, nd, table, slots=None, width=128):

@@ -1,6 +1,6 @@
 """``python -m dsv4_cupy bench``: a benchmark, not a test.
 
-GPU cases (DeepSeek-V4 shapes, spec §6; W = 8192, max_model_len 1M): decode
+GPU cases (DeepSeek-V4 shapes; W = 8192, max_model_len 1M): decode
 batches of 1-1024 requests x query length 1-8, prefills of 2048-65536 tokens,
 mixed batches. For ``build_c128a_topk_metadata`` and the per-step build it
 reports GPU time (CUDA events, and CUDA-graph replay), host time per eager

@@ -14,8 +14,12 @@ import numpy as np
 
 from .. import loader
 from ..kinds import TORCH_CUDA
-from ..launch import (cu_launch_kernel_ex, launch_config, programmatic_launch_supported,
-                      stream_getter)
+from ..launch import (
+    cu_launch_kernel_ex,
+    launch_config,
+    programmatic_launch_supported,
+    stream_getter,
+)
 
 #: The longest chain timed.
 MAX_LOADS = 3

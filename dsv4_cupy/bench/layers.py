@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import latency
 from ..spec import C4A_BLOCK_SIZE as C4A_BLOCK
 from ..spec import C4A_RATIO, INDEX_TOPKS
 from ..spec import SWA_BLOCK_SIZE as SWA_BLOCK
 from ..spec import SWA_WINDOW_SIZE as WINDOW
+from . import latency
 
 MAX_MODEL_LEN = 1 << 20
 INDEX_TOPK = INDEX_TOPKS[0]

@@ -1,8 +1,9 @@
-"""Triton ports of upstream vLLM's DeepSeek-V4 kernels, the benchmark's comparison
-column (never used by the library). Written from the semantics in
-shared/spec/upstream.md, in upstream's shape: one program per row (§2, §4, §5)
-and a (requests, 256 workers) grid for the combine (§6, #52084) that writes its
-own -1 tail (#50298) and keeps the hardened ``0 <= x < N`` filter. Valid
+"""Triton ports of vLLM's DeepSeek-V4 metadata kernels, the benchmark's comparison
+column (never used by the library). Written from the semantics of vLLM's
+DeepSeek-V4 code, in vLLM's shape: one program per row (SWA rows, global
+top-k, short-context fill) and a (requests, 256 workers) grid for the combine
+(#52084) that writes its own -1 tail (#50298) and keeps the hardened
+``0 <= x < N`` filter. Valid
 inputs give the library's bytes. Import this module only where Triton is
 installed (GPU machines): the benchmark does so lazily.
 """
@@ -153,6 +154,6 @@ def _seven_tensors_kernel(p0, p1, p2, p3, p4, p5, p6, n, m, BLOCK: tl.constexpr)
 
 
 def empty_launch(tensors, n, m):
-    """Triton's launcher alone: an empty kernel taking the seed C128A kernel's
+    """Triton's launcher alone: an empty kernel taking vLLM's C128A kernel's
     arguments (7 tensors, 2 ints), for the host-cost comparison."""
     _seven_tensors_kernel[(1,)](*tensors, n, m, BLOCK=128)
