@@ -166,7 +166,7 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         valid_tokens = self.valid_tokens(cm, host_qsl)
         views = self.result_views(step.num_tokens, split, width)
         launch = step_launch(self.step_variant(step),
-                             self.sections(cm, step, split, width, c128a_tokens, valid_tokens))
+                             self.sections(step, split, width, c128a_tokens, valid_tokens))
         if self.kind in GPU_KINDS:
             call = PreparedCall((launch.prepare(self.device),) if launch.blocks else (),
                                 self.kind, self.device, views, owned=views)

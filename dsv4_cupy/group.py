@@ -65,6 +65,7 @@ class Split(NamedTuple):
 class StepArrays(NamedTuple):
     """A step's arrays after the group's checks (no device memory read)."""
 
+    num_reqs: int
     num_tokens: int                   # num_actual_tokens
     host_query_start_loc: np.ndarray  # query_start_loc_cpu, a numpy view
     ops: dict                         # probed: query_start_loc, seq_lens,
@@ -239,7 +240,8 @@ class KVCacheGroup:
         if needs_positions:
             checks.check(ops["positions"], POSITIONS_AXIS.values, 1, min_len=num_tokens)
         self.owned.check_inputs(ops.values())
-        return StepArrays(num_tokens, host.host_view(qsl_cpu.array, qsl_cpu.kind), ops)
+        return StepArrays(num_reqs, num_tokens, host.host_view(qsl_cpu.array, qsl_cpu.kind),
+                          ops)
 
     def check_step_data(self, cm: CommonAttentionMetadata, step: StepArrays,
                         split: Split) -> None:
@@ -270,31 +272,45 @@ class KVCacheGroup:
                                     ids_kind="numpy")
 
     # --- the step kernel's sections and the results ------------------------------------------
-    def sections(self, cm: CommonAttentionMetadata, step: StepArrays, split: Split, width: int,
-                 c128a_tokens: int, valid_tokens: int) -> dict[str, Launch]:
+    def sections(self, step: StepArrays, split: Split, width: int, c128a_tokens: int,
+                 valid_tokens: int) -> dict[str, Launch]:
         """The group's sections of the step kernel: the token map, the whole
         compressed slot-mapping buffer (ratio > 1) and the C128A rows of the
         first ``c128a_tokens`` tokens (ratio 128)."""
-        ops, buffers, device = step.ops, self._buffers, self.device
+        return {**self.layout_sections(step),
+                **self.split_sections(step, split, width, c128a_tokens, valid_tokens)}
+
+    def layout_sections(self, step: StepArrays) -> dict[str, Launch]:
+        """The sections that depend on the step's arrays and counts alone: the
+        token map and the whole compressed slot-mapping buffer (ratio > 1)."""
+        ops, buffers = step.ops, self._buffers
         qsl, seq, table = ops["query_start_loc"], ops["seq_lens"], ops["block_table_tensor"]
-        req = buffers["req_id_per_token_buffer"]
-        sections = {"token_map": token_map_launch(qsl, cm.num_reqs, req, step.num_tokens)}
+        sections = {"token_map": token_map_launch(qsl, step.num_reqs,
+                                                  buffers["req_id_per_token_buffer"],
+                                                  step.num_tokens)}
         slots = buffers["compressed_slot_mapping_buffer"]
         if slots is not None:
             # Every element of the buffer may get a slot: padding rows stay -1.
             sections["group_slots"] = slot_mapping_launch(qsl, seq, table, self._geometry, slots,
                                                           slots.shape[0])
-        if c128a_tokens:
-            rows = C128ARows(global_decode=buffers["c128a_global_decode_buffer"],
-                             decode_lens=buffers["c128a_decode_lens_buffer"],
-                             prefill=buffers["c128a_prefill_buffer"],
-                             decode_stride=self.capacity, prefill_stride=self.capacity,
-                             width=width, num_valid_tokens=valid_tokens)
-            sections["c128a"] = c128a_launch(ops["positions"], req, ops["slot_mapping"], table,
-                                             self._geometry, rows, c128a_tokens,
-                                             split.num_decode_tokens,
-                                             device if self.kind in GPU_KINDS else -1)
         return sections
+
+    def split_sections(self, step: StepArrays, split: Split, width: int, c128a_tokens: int,
+                       valid_tokens: int) -> dict[str, Launch]:
+        """The sections that depend on the split: the C128A rows of the first
+        ``c128a_tokens`` tokens (ratio 128), ``width`` columns each."""
+        if not c128a_tokens:
+            return {}
+        ops, buffers = step.ops, self._buffers
+        rows = C128ARows(global_decode=buffers["c128a_global_decode_buffer"],
+                         decode_lens=buffers["c128a_decode_lens_buffer"],
+                         prefill=buffers["c128a_prefill_buffer"], decode_stride=self.capacity,
+                         prefill_stride=self.capacity, width=width, num_valid_tokens=valid_tokens)
+        return {"c128a": c128a_launch(ops["positions"], buffers["req_id_per_token_buffer"],
+                                      ops["slot_mapping"], ops["block_table_tensor"],
+                                      self._geometry, rows, c128a_tokens,
+                                      split.num_decode_tokens,
+                                      self.device if self.kind in GPU_KINDS else -1)}
 
     def result_views(self, num_tokens: int, split: Split, width: int) -> GroupViews:
         """Views of the persistent buffers for one step shape (cached)."""

@@ -38,6 +38,14 @@ class NoArray(NamedTuple):
     dtype: np.dtype
 
 
+class FrozenLaunch(NamedTuple):
+    """A GPU launch's struct values and blocks, converted once: a fused
+    kernel's section that a caller keeps across calls (``Launch.frozen``)."""
+
+    values: tuple
+    blocks: int
+
+
 _EMPTY: dict = {}
 
 
@@ -61,16 +69,24 @@ def _field(value):
         return 0
     if kind is Launch:                          # a fused family's part
         return value.values()
-    if kind in RECORD_LAYOUTS:                  # a group: its values in C order, flattened
-        values = []
-        for item in value:
-            field = _field(item)
-            if type(field) is list:
-                values += field
-            else:
-                values.append(field)
-        return tuple(values)
+    if kind is FrozenLaunch:
+        return value.values
+    if kind in RECORD_LAYOUTS:                  # a group: its values in C order
+        return _flattened(value)
     return int(value)                           # bool, numpy ints
+
+
+def _flattened(items) -> tuple:
+    """The struct values of named inputs in C order, nested ones flattened."""
+    values = []
+    append, extend = values.append, values.extend
+    for item in items:
+        field = _field(item)
+        if type(field) is tuple or type(field) is list:
+            extend(field)
+        else:
+            append(field)
+    return tuple(values)
 
 
 def _argument(value):
@@ -124,12 +140,27 @@ class Launch:
             raise TypeError(f"{self.layout.c_name}: no input named {error}") from None
 
     def values(self) -> tuple:
-        """The struct's values, flattened: a fused family's field."""
-        return self.layout.values(**self.fields())
+        """The struct's values in C order, flattened (what is packed, and a
+        fused family's field)."""
+        inputs = self.inputs
+        try:
+            return _flattened([inputs[name] for name in self.layout.names])
+        except KeyError as error:
+            raise TypeError(f"{self.layout.c_name}: no input named {error}") from None
+
+    def frozen(self) -> FrozenLaunch:
+        """The launch's values and blocks, to nest in a fused launch again and again."""
+        return FrozenLaunch(self.values(), self.blocks)
 
     def prepare(self, device: int) -> "PreparedLaunch":
         return PreparedLaunch(self.family, self.family.entry_name(self.variant), device,
-                              self.blocks, self.fields(), self.family.threads(self.variant))
+                              self.blocks, self.values(), self.family.threads(self.variant))
+
+    def prepare_into(self, prepared: "PreparedLaunch") -> "PreparedLaunch":
+        """``prepared`` (a launch of the same entry point) repacked with this
+        launch's values and blocks: no allocation, no function lookup."""
+        prepared.repack(self.family.params, self.values(), self.blocks)
+        return prepared
 
     def cpu_arguments(self) -> dict:
         """The numba kernel's arguments by name."""
@@ -242,11 +273,11 @@ class PreparedLaunch:
     #: Streams whose launch configurations a launch keeps (then it starts again).
     MAX_STREAMS = 8
 
-    def __init__(self, family, entry: str, device: int, blocks: int, fields: dict,
+    def __init__(self, family, entry: str, device: int, blocks: int, values: tuple,
                  threads: int):
         self._cuda = devices.cupy_module().cuda
         self.storage = np.zeros(family.params.size, np.uint8)
-        family.params.pack_into(self.storage, **fields)
+        family.params.pack_values_into(self.storage, values)
         self.pointers = np.array([self.storage.ctypes.data], np.uint64)  # void* kernelParams[1]
         self.kernel_params = self.pointers.ctypes.data
         self.device, self.blocks, self.threads = device, blocks, threads
@@ -259,6 +290,13 @@ class PreparedLaunch:
             # The Function object keeps its module loaded for as long as the launch lives.
             self._kernel = loader.get(family, entry, (self.context, self.context_id))
             self.function = self._kernel.ptr
+
+    def repack(self, params, values: tuple, blocks: int) -> None:
+        """New values and blocks for the same entry point (the driver copies the
+        struct at each launch, so an earlier launch is not affected)."""
+        params.pack_values_into(self.storage, values)
+        if blocks != self.blocks:
+            self.blocks, self._configs = blocks, {}
 
     def run(self, stream: int) -> bool:
         cuda = self._cuda

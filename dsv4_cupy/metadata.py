@@ -77,6 +77,73 @@ class DeepseekV4Metadata:
         return exported_to_torch(self)
 
 
+@dataclass
+class DeepseekV4StepMetadata:
+    """What ``DeepseekV4StepMetadataBuilder.build`` returns: views of the
+    builder's persistent buffers (valid until the next build), None where the
+    step has no such rows. T is ``num_actual_tokens``; Td/Tp the decode and
+    prefill tokens; P the prefill requests. All int32 unless noted.
+
+    Shared: ``req_id_per_token [T]``, ``is_valid_token [T]`` bool (the SWA
+    group's ``slot_mapping >= 0``). SWA: ``swa_decode_indices [Td, 1, W]``,
+    ``swa_decode_lens [Td]``, ``swa_prefill_indices [Tp, 1, W]``,
+    ``swa_prefill_lens [Tp]``, ``prefill_gather_lens [P]``. Compressed slot
+    mappings, int64 ``[T]``: ``c4a_slot_mapping``, ``indexer_slot_mapping``,
+    ``c128a.slot_mapping``. Indexer decode (``build_indexer_decode_metadata``
+    over the decode requests): ``indexer_context_lens``, ``indexer_req_ids``,
+    ``indexer_decode_lens`` ``[Td]``, ``indexer_block_rows [Td, cols]``.
+    Indexer prefill (``build_indexer_prefill_chunk_metadata`` over all
+    prefill requests as one chunk): ``indexer_cu_compressed [P + 1]``,
+    ``indexer_token_to_seq [sum L // 4]``, ``indexer_cu_seqlen_ks``,
+    ``indexer_cu_seqlen_ke`` ``[Tp]``. ``c128a``: the C128A group's
+    ``DeepseekV4Metadata``. With ``combined_prefill``: the chunk plans
+    (``get_prefill_chunk_plan``; chunk ``(start, end, N, M)`` covers prefill
+    requests ``[start, end)``) and the combined rows of every prefill token,
+    chunk after chunk: ``c128a_combined_indices [Tp, round_up(width + W, 128)]``,
+    ``swa_combined_indices [Tp, round_up(W, 128)]`` and their ``*_lens [Tp]``.
+    ``c4a_short_context_topk_indices [T, index_topk]`` when the step took the
+    short-context shortcut (``max_seq_len // 4 <= index_topk``, not capturing).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    req_id_per_token: Any
+    is_valid_token: Any
+    swa_decode_indices: Any = None
+    swa_decode_lens: Any = None
+    swa_prefill_indices: Any = None
+    swa_prefill_lens: Any = None
+    prefill_gather_lens: Any = None
+    c4a_slot_mapping: Any = None
+    indexer_slot_mapping: Any = None
+    indexer_context_lens: Any = None
+    indexer_req_ids: Any = None
+    indexer_decode_lens: Any = None
+    indexer_block_rows: Any = None
+    indexer_cu_compressed: Any = None
+    indexer_token_to_seq: Any = None
+    indexer_cu_seqlen_ks: Any = None
+    indexer_cu_seqlen_ke: Any = None
+    c128a: Any = None
+    c128a_prefill_chunks: list | None = None
+    swa_prefill_chunks: list | None = None
+    c128a_combined_indices: Any = None
+    c128a_combined_lens: Any = None
+    swa_combined_indices: Any = None
+    swa_combined_lens: Any = None
+    c4a_short_context_topk_indices: Any = None
+
+    def to_torch(self) -> "DeepseekV4StepMetadata":
+        """The same metadata with every array exported to torch through DLPack (zero-copy)."""
+        return exported_to_torch(self)
+
+
 def exported_to_torch(metadata):
     """A metadata dataclass with every array field exported to torch through
     DLPack (zero-copy), nested metadata too; ints, lists and None stay."""

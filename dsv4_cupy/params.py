@@ -101,6 +101,11 @@ class Params(_Layout):
             "pack_into", f"_pack_into(buffer, 0, {self._flat()})",
             {"_pack_into": self._struct.pack_into})
 
+    def pack_values_into(self, buffer, values: tuple) -> None:
+        """Pack the struct's flattened ``values`` (in C order, as ``values()``
+        gives them) into ``buffer``: a wrong count is a ``struct.error``."""
+        self._struct.pack_into(buffer, 0, *values)
+
     def pack(self, **fields) -> np.ndarray:
         """The struct as a one-element structured array (tests and inspection)."""
         buffer = bytearray(self.size)

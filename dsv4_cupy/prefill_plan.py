@@ -68,15 +68,23 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
     if len(seq) != len(queries):
         raise ValueError(f"query_lens: expected one per request of seq_lens ({len(seq)}), "
                          f"got {len(queries)}")
+    return plan_chunks(seq, queries, compress_ratio, chunk_size, window_size, max_model_len,
+                       max_num_batched_tokens)
+
+
+def plan_chunks(seq_lens: list, query_lens: list, compress_ratio: int, chunk_size: int,
+                window_size: int, max_model_len: int,
+                max_num_batched_tokens: int) -> list[tuple[int, int, int, int]]:
+    """``get_prefill_chunk_plan`` of checked Python ints (the step builder's path)."""
     compresses = compress_ratio > 1
-    compressed = [s // compress_ratio if compresses else 0 for s in seq]
-    gathered = [q + min(max(s - q, 0), window_size - 1) for s, q in zip(seq, queries)]
+    compressed = [s // compress_ratio if compresses else 0 for s in seq_lens]
+    gathered = [q + min(max(s - q, 0), window_size - 1) for s, q in zip(seq_lens, query_lens)]
     budget = chunk_size * ((cdiv(max_model_len, compress_ratio) if compresses else 0)
                            + window_size + max_num_batched_tokens)
-    plan, start = [], 0
-    while start < len(seq):
+    plan, start, count = [], 0, len(seq_lens)
+    while start < count:
         end, most_compressed, most_gathered = start + 1, compressed[start], gathered[start]
-        while end < len(seq):
+        while end < count:
             wider_compressed = max(most_compressed, compressed[end])
             wider_gathered = max(most_gathered, gathered[end])
             if (end + 1 - start) * (wider_compressed + wider_gathered) > budget:

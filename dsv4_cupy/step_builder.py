@@ -2,23 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
-import numpy as np
-
-from . import checks, host, keys
-from .combine import PlanChunk, combined_width, prefill_combine_launches
-from .families import SLOT_MAPPING_AXIS
+from . import checks, keys
+from .combine import combined_width, prefill_combine_launches
 from .geometry import WARP_LANES
-from .group import MAX_CACHED_VIEWS, KVCacheGroup, Split, StepArrays
+from .group import MAX_CACHED_VIEWS, KVCacheGroup, StepArrays
 from .indexer_decode import indexer_decode_launch
 from .indexer_prefill import indexer_prefill_launch
-from .kinds import BOOL, GPU_KINDS, HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
-from .metadata import CommonAttentionMetadata, exported_to_torch
+from .kinds import BOOL, GPU_KINDS, INT32, INT64, Operand, probe
+from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata
 from .params import QueryLayout, SlotGeometry
 from .prefill_gather import gather_lens_launch
-from .prefill_plan import get_prefill_chunk_plan
 from .prepared import PreparedCall, PreparedCalls
 from .scalars import check_int
 from .short_context import short_context_launch
@@ -35,109 +30,28 @@ from .spec import (
     cdiv,
 )
 from .step_kernel import step_launch
+from .step_plan import GROUPS, StepPlan, check_group_metadata, check_groups, prefill_plans
 from .swa import swa_launch
 
-#: The KV-cache groups of a DeepSeek-V4 step, as ``build`` takes them.
-GROUPS = ("swa", "c4a", "indexer", "c128a")
 #: The C128A group's results (its other fields are the caller's arrays).
 _C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
                   "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
+#: The step kernel's sections that depend on a step's arrays and counts alone
+#: (not on its split or chunk plans): a layout's are described once.
+LAYOUT_SECTIONS = ("token_map", "group_slots", "swa", "c4a_slots", "indexer_slots",
+                   "short_context")
 
 
-@dataclass
-class DeepseekV4StepMetadata:
-    """What ``DeepseekV4StepMetadataBuilder.build`` returns: views of the
-    builder's persistent buffers (valid until the next build), None where the
-    step has no such rows. T is ``num_actual_tokens``; Td/Tp the decode and
-    prefill tokens; P the prefill requests. All int32 unless noted.
+class StepLayout(NamedTuple):
+    """What steps with the same arrays and counts share: their checks, the
+    sections that do not depend on the split (frozen, GPU) and the step
+    kernel's launch, repacked for each step."""
 
-    Shared: ``req_id_per_token [T]``, ``is_valid_token [T]`` bool (the SWA
-    group's ``slot_mapping >= 0``). SWA: ``swa_decode_indices [Td, 1, W]``,
-    ``swa_decode_lens [Td]``, ``swa_prefill_indices [Tp, 1, W]``,
-    ``swa_prefill_lens [Tp]``, ``prefill_gather_lens [P]``. Compressed slot
-    mappings, int64 ``[T]``: ``c4a_slot_mapping``, ``indexer_slot_mapping``,
-    ``c128a.slot_mapping``. Indexer decode (``build_indexer_decode_metadata``
-    over the decode requests): ``indexer_context_lens``, ``indexer_req_ids``,
-    ``indexer_decode_lens`` ``[Td]``, ``indexer_block_rows [Td, cols]``.
-    Indexer prefill (``build_indexer_prefill_chunk_metadata`` over all
-    prefill requests as one chunk): ``indexer_cu_compressed [P + 1]``,
-    ``indexer_token_to_seq [sum L // 4]``, ``indexer_cu_seqlen_ks``,
-    ``indexer_cu_seqlen_ke`` ``[Tp]``. ``c128a``: the C128A group's
-    ``DeepseekV4Metadata``. With ``combined_prefill``: the chunk plans
-    (``get_prefill_chunk_plan``; chunk ``(start, end, N, M)`` covers prefill
-    requests ``[start, end)``) and the combined rows of every prefill token,
-    chunk after chunk: ``c128a_combined_indices [Tp, round_up(width + W, 128)]``,
-    ``swa_combined_indices [Tp, round_up(W, 128)]`` and their ``*_lens [Tp]``.
-    ``c4a_short_context_topk_indices [T, index_topk]`` when the step took the
-    short-context shortcut (``max_seq_len // 4 <= index_topk``, not capturing).
-    """
-
-    num_reqs: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    num_decodes: int
-    num_prefills: int
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    req_id_per_token: Any
-    is_valid_token: Any
-    swa_decode_indices: Any = None
-    swa_decode_lens: Any = None
-    swa_prefill_indices: Any = None
-    swa_prefill_lens: Any = None
-    prefill_gather_lens: Any = None
-    c4a_slot_mapping: Any = None
-    indexer_slot_mapping: Any = None
-    indexer_context_lens: Any = None
-    indexer_req_ids: Any = None
-    indexer_decode_lens: Any = None
-    indexer_block_rows: Any = None
-    indexer_cu_compressed: Any = None
-    indexer_token_to_seq: Any = None
-    indexer_cu_seqlen_ks: Any = None
-    indexer_cu_seqlen_ke: Any = None
-    c128a: Any = None
-    c128a_prefill_chunks: list | None = None
-    swa_prefill_chunks: list | None = None
-    c128a_combined_indices: Any = None
-    c128a_combined_lens: Any = None
-    swa_combined_indices: Any = None
-    swa_combined_lens: Any = None
-    c4a_short_context_topk_indices: Any = None
-
-    def to_torch(self) -> "DeepseekV4StepMetadata":
-        """The same metadata with every array exported to torch through DLPack (zero-copy)."""
-        return exported_to_torch(self)
-
-
-@dataclass
-class ChunkPlans:
-    """A step's prefill chunk plans (``get_prefill_chunk_plan``) placed in its rows."""
-
-    c128a: list          # [PlanChunk] of the C128A layers
-    swa: list            # [PlanChunk] of the SWA-only layers
-
-
-@dataclass
-class StepPlan:
-    """A step's checked arrays and host decisions: everything a build launches from."""
-
-    cms: dict                    # the groups' CommonAttentionMetadata
-    arrays: StepArrays           # the C128A group's (the step's shared query layout)
-    tables: dict                 # group -> its probed block table
-    swa_slot_mapping: Operand    # the SWA group's slot mapping (its tokens' validity)
-    split: Split
-    width: int                   # C128A columns written
-    c128a_tokens: int            # tokens whose C128A rows are written
-    valid_tokens: int
-    compressed: int              # the indexer's compressed rows over the prefills
-    chunks: ChunkPlans | None    # with combined_prefill and prefills
-    short_context: bool          # the C4A short-context rows are built
-
-    @property
-    def num_tokens(self) -> int:
-        return self.arrays.num_tokens
+    arrays: StepArrays
+    tables: dict
+    swa_slot_mapping: Operand
+    sections: dict               # name -> launch.FrozenLaunch, filled by the first build
+    launch: list                 # [the step kernel's PreparedLaunch], filled by the first build
 
 
 class DeepseekV4StepMetadataBuilder:
@@ -240,11 +154,13 @@ class DeepseekV4StepMetadataBuilder:
         # Each buffer probed once, as the launches name it (the SWA rows without the head axis).
         self._ops = {id(x): probe(name, x[:, 0] if x is self.swa_indices_buffer else x)
                      for name, x in buffers.items() if not name.startswith("c128a_group.")}
+        self._c4a_geometry = SlotGeometry(block_size=self.c4a_block_size, ratio=C4A_RATIO,
+                                          cp_world_size=1, cp_rank=0, cp_interleave=1)
         self._prepared = PreparedCalls() if self.kind in GPU_KINDS else None
         self._captured = None
         self._views = keys.ViewCache(MAX_CACHED_VIEWS)
-        # The checks of steps that took the full path, by _layout_key(cms) (GPU).
-        self._checked = PreparedCalls() if self._prepared is not None else None
+        # Steps that took the full path, by _layout_key(cms) (GPU): StepLayout.
+        self._layouts = PreparedCalls() if self._prepared is not None else None
 
     def buffers(self) -> dict:
         """Every persistent buffer the builds write, by name (the C128A group's too)."""
@@ -305,7 +221,7 @@ class DeepseekV4StepMetadataBuilder:
         shape from device memory on replay; the shape is fixed by
         ``num_reqs``, ``num_actual_tokens`` and the buffers' addresses.
         ``check_replay`` says whether a step fits the capture."""
-        cm = self._group_metadata(common_attn_metadata)["c128a"]
+        cm = check_group_metadata(common_attn_metadata)["c128a"]
         self.c128a_group.check_capturable(cm)
         key = self._step_key(common_attn_metadata, True)    # before anything is recorded
         if key is None:
@@ -325,7 +241,7 @@ class DeepseekV4StepMetadataBuilder:
         if captured is None:
             raise ValueError("check_replay: nothing was captured (call "
                              "build_for_cudagraph_capture inside the graph capture first)")
-        cms = self._group_metadata(common_attn_metadata)
+        cms = check_group_metadata(common_attn_metadata)
         key, num_reqs, num_tokens = captured
         self.c128a_group.check_captured_shape(cms["c128a"], num_reqs, num_tokens)
         if self._step_key(cms, True) != key:
@@ -334,19 +250,6 @@ class DeepseekV4StepMetadataBuilder:
                              "in place")
 
     # --- checks ------------------------------------------------------------------------------
-    def _group_metadata(self, common_attn_metadata) -> dict:
-        if not isinstance(common_attn_metadata, dict) or set(common_attn_metadata) != set(GROUPS):
-            got = (sorted(common_attn_metadata) if isinstance(common_attn_metadata, dict)
-                   else type(common_attn_metadata).__name__)
-            raise TypeError(f"common_attn_metadata: expected a dict of one "
-                            f"CommonAttentionMetadata per group {GROUPS}, got {got}")
-        for group in GROUPS:
-            if not isinstance(common_attn_metadata[group], CommonAttentionMetadata):
-                raise TypeError(f"common_attn_metadata[{group!r}]: expected a "
-                                f"CommonAttentionMetadata, got "
-                                f"{type(common_attn_metadata[group]).__name__}")
-        return common_attn_metadata
-
     def _layout_key(self, cms: dict):
         """What a step's checks depend on, from attributes alone; None for a step
         that is checked in full every time (groups that do not share the C128A
@@ -385,141 +288,39 @@ class DeepseekV4StepMetadataBuilder:
         return not capturing and cm.num_actual_tokens > 0 and \
             cm.max_seq_len // C4A_RATIO <= self.index_topk
 
-    def _check_groups(self, cms: dict, arrays: StepArrays) -> tuple[dict, Operand]:
-        """The other groups' arrays: the C128A group's query layout, their own
-        tables and the SWA group's slot mapping. Returns ``({group: probed
-        block table}, probed SWA slot mapping)``."""
-        cm128, ops128 = cms["c128a"], arrays.ops
-        # Every section reads the shared layout of every request.
-        checks.check(ops128["seq_lens"], (INT32,), 1, min_len=cm128.num_reqs)
-        tables = {"c128a": ops128["block_table_tensor"]}
-        swa_slots = None
-        for group in ("swa", "c4a", "indexer"):
-            cm = cms[group]
-            if (cm.num_reqs, cm.num_actual_tokens) != (cm128.num_reqs, cm128.num_actual_tokens):
-                raise ValueError(f"common_attn_metadata[{group!r}]: expected the step's counts "
-                                 f"(num_reqs={cm128.num_reqs}, num_actual_tokens="
-                                 f"{cm128.num_actual_tokens}), got ({cm.num_reqs}, "
-                                 f"{cm.num_actual_tokens})")
-            # Only the SWA group's slot mapping is read (its tokens' validity); the
-            # compressed slot mappings come from the block tables. The query
-            # layout is the C128A group's: the same objects need no second look.
-            layout = [name for name in ("query_start_loc", "seq_lens")
-                      if getattr(cm, name) is not getattr(cm128, name)]
-            if cm.block_table_tensor is None:
-                raise TypeError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
-                                f"an int32 array [num_reqs, max_blocks], got None")
-            kind, device, ops = probe_all({
-                **{f"{group}.{name}": getattr(cm, name) for name in layout},
-                f"{group}.block_table_tensor": cm.block_table_tensor,
-                f"{group}.slot_mapping": cm.slot_mapping if group == "swa" else None})
-            if (kind, device) != (self.kind, self.device):
-                raise TypeError(f"common_attn_metadata[{group!r}]: expected arrays like the "
-                                f"builder's buffers ({describe(self.swa_lens_buffer)}), "
-                                f"got {describe(cm.block_table_tensor)}")
-            for name in layout:
-                mine, shared = ops[f"{group}.{name}"], ops128[name]
-                if (mine.ptr, mine.shape, mine.strides, mine.dtype) != \
-                        (shared.ptr, shared.shape, shared.strides, shared.dtype):
-                    raise ValueError(f"common_attn_metadata[{group!r}].{name}: expected the "
-                                     f"array the C128A group has (the groups share the query "
-                                     f"layout)")
-            table = ops[f"{group}.block_table_tensor"]
-            checks.check(table, (INT32,), 2)
-            if table.shape[0] > cm.num_reqs:
-                raise ValueError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
-                                 f"at most num_reqs ({cm.num_reqs}) rows, got shape "
-                                 f"{tuple(table.shape)}")
-            tables[group] = table
-            if group == "swa":
-                swa_slots = ops["swa.slot_mapping"]
-        checks.check(swa_slots, SLOT_MAPPING_AXIS.values, 1, min_len=cm128.num_actual_tokens)
-        if swa_slots.dtype != ops128["slot_mapping"].dtype:
-            raise TypeError(f"common_attn_metadata['swa'].slot_mapping: expected the C128A "
-                            f"group's dtype {ops128['slot_mapping'].dtype}, got {swa_slots.dtype}")
-        if tables["indexer"].shape[1] > self.max_blocks:
-            raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected at "
-                             f"most {self.max_blocks} columns (cdiv(max_model_len, block_size)),"
-                             f" got shape {tuple(tables['indexer'].shape)}")
-        return tables, swa_slots
-
-    def _prefill_plans(self, cm, host_qsl, split: Split) -> tuple[ChunkPlans | None, int]:
-        """``(chunk plans, compressed rows of the indexer)`` from host data."""
-        num_decodes, num_prefills = split.num_decodes, split.num_prefills
-        if not num_prefills:
-            return None, 0
-        if cm.seq_lens_cpu is None:
-            raise ValueError("common_attn_metadata['c128a'].seq_lens_cpu: required for a step "
-                             "with prefills (the chunk plans and the indexer's row count are "
-                             "host decisions), got None")
-        seq_cpu = probe("seq_lens_cpu", cm.seq_lens_cpu)
-        if seq_cpu.kind not in HOST_KINDS:
-            raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
-                            f"{describe(cm.seq_lens_cpu)}")
-        checks.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
-        # Python ints: a handful of requests costs less than numpy calls.
-        end = num_decodes + num_prefills
-        seq = host.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:end].tolist()
-        starts = host_qsl[num_decodes:end + 1].tolist()
-        queries = [b - a for a, b in zip(starts, starts[1:])]
-        if min(queries) < 0 or sum(queries) > split.num_prefill_tokens:
-            raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
-                             f"lengths >= 0 and at most num_prefill_tokens="
-                             f"{split.num_prefill_tokens} in all, got {queries}")
-        compressed = sum(max(length // C4A_RATIO, 0) for length in seq)
-        if compressed > self.max_num_compressed:
-            raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
-                             f"{self.max_num_compressed} compressed indexer rows over the "
-                             f"prefills, got {compressed}")
-        if not self.combined_prefill:
-            return None, compressed
-        plan_args = (self.prefill_chunk_size, self.window_size, self.max_model_len,
-                     self.max_num_batched_tokens)
-        plans = (get_prefill_chunk_plan(seq, queries, C128A_RATIO, *plan_args),
-                 get_prefill_chunk_plan(seq, queries, 1, *plan_args))
-        for plan in plans:
-            for start, end, _, M in plan:
-                if M * (end - start) > np.iinfo(np.int32).max:
-                    raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
-                                     f"per request, {end - start} requests) exceeds int32")
-        first = starts[0]
-        placed = []
-        for plan in plans:
-            # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
-            chunks = [PlanChunk(start, end, N, M, starts[start] - first, starts[end] - first)
-                      for start, end, N, M in plan]
-            chunks[-1] = chunks[-1]._replace(end_row=split.num_prefill_tokens)
-            placed.append(chunks)
-        return ChunkPlans(*placed), compressed
-
     # --- the build ---------------------------------------------------------------------------
-    def _plan(self, common_attn_metadata, capturing: bool) -> StepPlan:
-        """Check the step (reusing the checks of an earlier step with the same
-        layouts, GPU) and make its host decisions."""
-        cms = self._group_metadata(common_attn_metadata)
-        group, cm = self.c128a_group, cms["c128a"]
-        # A step with prefills makes its host decisions every time; the checks of
-        # its arrays are those of the last step with the same layouts (GPU).
-        layout = self._layout_key(cms) if self._prepared is not None else None
-        checked = self._checked.get(layout) if layout is not None else None
-        if checked is None:
-            arrays = group.check_step(cm)
-            tables, swa_slots = self._check_groups(cms, arrays)
+    def _layout(self, cms: dict, layout_key) -> StepLayout:
+        """The checks of the step's arrays: those of the last step with the same
+        layouts when there was one (GPU), else the full checks."""
+        layout = self._layouts.get(layout_key) if layout_key is not None else None
+        if layout is None:
+            arrays = self.c128a_group.check_step(cms["c128a"])
+            tables, swa_slots = check_groups(cms, arrays, self.kind, self.device,
+                                             self.swa_lens_buffer, self.max_blocks)
             self._owned.check_inputs([*arrays.ops.values(), *tables.values(), swa_slots])
-            if layout is not None:
-                self._checked.put(layout, (arrays, tables, swa_slots))
-        else:
-            arrays, tables, swa_slots = checked
-        host_qsl = arrays.host_query_start_loc
+            layout = StepLayout(arrays, tables, swa_slots, {}, [None])
+            if layout_key is not None:
+                self._layouts.put(layout_key, layout)
+        return layout
+
+    def _plan(self, cms: dict, layout: StepLayout, capturing: bool) -> StepPlan:
+        """The step's host decisions: split, width, chunk plans, rows."""
+        group, cm = self.c128a_group, cms["c128a"]
+        host_qsl = layout.arrays.host_query_start_loc
         split = group.split(cm, host_qsl, group.prefilling(cm))
-        if tables["indexer"].shape[0] < split.num_decodes:
+        if layout.tables["indexer"].shape[0] < split.num_decodes:
             raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected a "
                              f"row for each of the {split.num_decodes} decode requests, got "
-                             f"{tables['indexer'].shape[0]} rows")
-        chunks, compressed = self._prefill_plans(cm, host_qsl, split)
+                             f"{layout.tables['indexer'].shape[0]} rows")
+        chunks, compressed = prefill_plans(
+            cm, host_qsl, split, max_num_compressed=self.max_num_compressed,
+            combined_prefill=self.combined_prefill, chunk_size=self.prefill_chunk_size,
+            window_size=self.window_size, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens)
         nd, np_tokens = split.num_decode_tokens, split.num_prefill_tokens
         return StepPlan(
-            cms=cms, arrays=arrays, tables=tables, swa_slot_mapping=swa_slots, split=split,
+            cms=cms, arrays=layout.arrays, tables=layout.tables,
+            swa_slot_mapping=layout.swa_slot_mapping, split=split,
             width=group.width(cm.max_seq_len, capturing) if nd + np_tokens else 0,
             # The combined rows replace the C128A local prefill rows: those are not written.
             c128a_tokens=nd if self.combined_prefill else nd + np_tokens,
@@ -527,48 +328,73 @@ class DeepseekV4StepMetadataBuilder:
             short_context=self._short_context(cm, capturing))
 
     def _build_checked(self, common_attn_metadata, capturing: bool) -> DeepseekV4StepMetadata:
-        plan = self._plan(common_attn_metadata, capturing)
-        cm = plan.cms["c128a"]
+        cms = check_group_metadata(common_attn_metadata)
+        layout_key = self._layout_key(cms) if self._prepared is not None else None
+        layout = self._layout(cms, layout_key)
+        plan = self._plan(cms, layout, capturing)
         metadata = self._metadata(plan)
-        launches = self._launches(plan)
-        if self.kind in GPU_KINDS:
-            key = self._launch_key(cm, self._layout_key(plan.cms), capturing)
-            call = PreparedCall(tuple(launch.prepare(self.device) for launch in launches
-                                      if launch.blocks), self.kind, self.device, metadata,
-                                owned=_arrays_of(metadata) if key is not None else ())
-            if not call.run():
-                raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
-                                   "during the build")
-            if key is not None:
-                self._prepared.put(key, (call, metadata))
-        else:
+        launches = self._launches(plan, layout.sections)
+        if self.kind not in GPU_KINDS:
             for launch in launches:
                 launch.run_cpu()
+            return metadata
+        key = self._launch_key(cms["c128a"], layout_key, capturing)
+        if key is None and layout_key is not None:
+            # Not kept whole (a step with prefills): the layout's sections are
+            # frozen and its step launch repacked, step after step.
+            main = layout.launch[0]
+            layout.launch[0] = (launches[0].prepare(self.device) if main is None
+                                else launches[0].prepare_into(main))
+            prepared = (layout.launch[0],) + tuple(launch.prepare(self.device)
+                                                   for launch in launches[1:])
+        else:
+            prepared = tuple(launch.prepare(self.device) for launch in launches)
+        call = PreparedCall(tuple(launch for launch in prepared if launch.blocks), self.kind,
+                            self.device, metadata,
+                            owned=_arrays_of(metadata) if key is not None else ())
+        if not call.run():
+            raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
+                               "during the build")
+        if key is not None:
+            self._prepared.put(key, (call, metadata))
         return metadata
 
-    def _launches(self, plan: StepPlan) -> list:
+    def _launches(self, plan: StepPlan, layout_sections: dict) -> list:
         """The step kernel with every section this step needs (a prefill plan
-        longer than ``params.MAX_PLAN_CHUNKS`` chunks adds launches of its combine)."""
+        longer than ``params.MAX_PLAN_CHUNKS`` chunks adds launches of its
+        combine). ``layout_sections``: the frozen ``LAYOUT_SECTIONS`` of earlier
+        steps of this layout (GPU), filled here when empty."""
         group, cm, split = self.c128a_group, plan.cms["c128a"], plan.split
         ops = plan.arrays.ops
         qsl, seq = ops["query_start_loc"], ops["seq_lens"]
-        device = self.device if self.kind in GPU_KINDS else -1
+        on_gpu = self.kind in GPU_KINDS
+        device = self.device if on_gpu else -1
         T, W, nd = plan.num_tokens, self.window_size, split.num_decode_tokens
         num_decodes, num_prefills = split.num_decodes, split.num_prefills
         op = self._op
-        sections = group.sections(cm, plan.arrays, split, plan.width, plan.c128a_tokens,
-                                  plan.valid_tokens)
-        sections["swa"] = swa_launch(
-            QueryLayout(qsl, seq, cm.num_reqs), plan.tables["swa"],
-            group.buffer_operand("req_id_per_token_buffer"), op(self.is_valid_token_buffer),
-            op(self.swa_indices_buffer), op(self.swa_lens_buffer), W, self.swa_block_size, 0, T,
-            T, device, lanes=WARP_LANES)
-        c4a_geometry = SlotGeometry(block_size=self.c4a_block_size, ratio=C4A_RATIO,
-                                    cp_world_size=1, cp_rank=0, cp_interleave=1)
-        for name, buffer in (("c4a", self.c4a_slot_mapping_buffer),
-                             ("indexer", self.indexer_slot_mapping_buffer)):
-            sections[f"{name}_slots"] = slot_mapping_launch(qsl, seq, plan.tables[name],
-                                                            c4a_geometry, op(buffer), T)
+        sections = dict(layout_sections)
+        if not sections:
+            sections.update(group.layout_sections(plan.arrays))
+            sections["swa"] = swa_launch(
+                QueryLayout(qsl, seq, cm.num_reqs), plan.tables["swa"],
+                group.buffer_operand("req_id_per_token_buffer"), op(self.is_valid_token_buffer),
+                op(self.swa_indices_buffer), op(self.swa_lens_buffer), W, self.swa_block_size,
+                0, T, T, device, lanes=WARP_LANES)
+            for name, buffer in (("c4a", self.c4a_slot_mapping_buffer),
+                                 ("indexer", self.indexer_slot_mapping_buffer)):
+                sections[f"{name}_slots"] = slot_mapping_launch(qsl, seq, plan.tables[name],
+                                                                self._c4a_geometry, op(buffer), T)
+            if T:
+                sections["short_context"] = short_context_launch(
+                    ops["positions"], op(self.short_context_buffer), self.index_topk, C4A_RATIO,
+                    T, device, lanes=WARP_LANES)
+            if on_gpu:
+                layout_sections.update((name, sections[name].frozen()) for name in LAYOUT_SECTIONS
+                                       if name in sections)
+        if not plan.short_context:
+            sections.pop("short_context", None)
+        sections.update(group.split_sections(plan.arrays, split, plan.width, plan.c128a_tokens,
+                                             plan.valid_tokens))
         sections["indexer_decode"] = indexer_decode_launch(
             QueryLayout(qsl, seq, num_decodes), plan.tables["indexer"],
             *map(op, self.indexer_decode_buffers), nd, C4A_RATIO)
@@ -592,10 +418,6 @@ class DeepseekV4StepMetadataBuilder:
                                                       *map(op, buffers), W, ratio, topk, device)
                     sections[name] = pieces[0]
                     extra += [(name, piece) for piece in pieces[1:]]
-        if plan.short_context:
-            sections["short_context"] = short_context_launch(
-                ops["positions"], op(self.short_context_buffer), self.index_topk, C4A_RATIO, T,
-                device, lanes=WARP_LANES)
         variant = group.step_variant(plan.arrays)
         return [step_launch(variant, sections, plan.swa_slot_mapping,
                             checks.rows_of(op(self.is_valid_token_buffer), 0, T)),

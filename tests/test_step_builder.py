@@ -291,7 +291,7 @@ def test_a_prefill_step_with_known_layouts_reuses_the_checks(kind, monkeypatch):
                                                like=to_kind(np.zeros(1, I32), kind))
     cms = make_step(rng, 3, [40, 300], 2, False, kind, decode_len=2)
     builder.build(0, cms)
-    monkeypatch.setattr(builder, "_check_groups",
+    monkeypatch.setattr(d4.step_builder, "check_groups",
                         lambda *args: pytest.fail("a step of known layouts was checked again"))
     fresh = make_step(rng, 3, [200, 140], 2, False, "numpy", decode_len=2)   # the same counts
     for group, cm in cms.items():
@@ -329,10 +329,10 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
                                                prefill_chunk_size=1, max_num_compressed=1 << 21)
     cms = make_step(rng, 2, [4] * 1000 + [30], pad=7)
     got = builder.build(0, cms)
-    plan = builder._plan(cms, False)
+    plan = builder._plan(cms, builder._layout(cms, None), False)
     nr, npf, nd, ntp = plan.split
     host_qsl = cms["c128a"].query_start_loc_cpu
-    launches = builder._launches(plan)
+    launches = builder._launches(plan, {})
     layout = params.PREFILL_COMBINE
     for name, plan, buffers in (("c128a_combine", got.c128a_prefill_chunks,
                                  builder.c128a_combined_buffers),

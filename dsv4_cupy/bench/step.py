@@ -28,7 +28,30 @@ C128A_BLOCK = 2
 #: (case, decode requests, tokens per decode, prefill query lengths)
 STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x1", 64, 1, []),
               ("decode 256x1", 256, 1, []), ("decode 128x2", 128, 2, []),
-              ("mixed 64+2048", 64, 1, [2048]))
+              ("mixed 64+2048", 64, 1, [2048]), ("mixed 64+4x512", 64, 1, [512] * 4),
+              ("mixed 64+64x32", 64, 1, [32] * 64))   # 16 chunks of PREFILL_CHUNK_SIZE requests
+
+
+def host_phases(timer, builder, cms) -> dict:
+    """Host us of each phase of a build that takes the full path (a step with
+    prefills; the decode steps' prepared path is one launch): the checks'
+    cache lookup, the plan (split, chunk plans), the result views, the
+    launches' description, their packing, and the launch itself."""
+    from ..prepared import PreparedCall
+    capturing = False
+    key = builder._layout_key(cms)
+    layout = builder._layout(cms, key)
+    plan = builder._plan(cms, layout, capturing)
+    launches = builder._launches(plan, layout.sections)
+    prepared = [launch.prepare(builder.device) for launch in launches]
+    call = PreparedCall(tuple(prepared), builder.kind, builder.device, None)
+    return {"checks": timer.host_us(lambda: builder._layout(cms, builder._layout_key(cms))),
+            "planning": timer.host_us(lambda: builder._plan(cms, layout, capturing)),
+            "views": timer.host_us(lambda: builder._metadata(plan)),
+            "describe": timer.host_us(lambda: builder._launches(plan, layout.sections)),
+            "pack": timer.host_us(lambda: [launch.prepare_into(ready) for launch, ready
+                                           in zip(launches, prepared)]),
+            "launch": timer.host_us(call.run)}
 
 
 def _group_metadata(torch, d4, step, rng):
@@ -165,6 +188,8 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
         for who, fn in timed:
             row[f"{who}_graph_us"] = timer.graph_us(fn)
             row[f"{who}_host_us"] = timer.host_us(fn)
+        if prefills:
+            row["host_phases_us"] = host_phases(timer, whole, cms)
         row["x_c128a_gpu"] = row["step_graph_us"] / row["c128a_graph_us"]
         row["step_x_floor"] = row["step_host_us"] / launch_floor_us
         if ports is not None:
@@ -181,6 +206,16 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
 
 
 def print_step_rows(rows: list[dict]) -> None:
+    phased = [r for r in rows if "host_phases_us" in r]
+    if phased:
+        names = list(phased[0]["host_phases_us"])
+        print("\nwhole step with prefills: host us per phase of a build (the sum is near the "
+              "step's host us)")
+        print(f"{'case':16} " + " ".join(f"{name:>9}" for name in names) + f" {'sum':>9}")
+        for r in phased:
+            phases = r["host_phases_us"]
+            print(f"{r['case']:16} " + " ".join(f"{phases[name]:9.2f}" for name in names)
+                  + f" {sum(phases.values()):9.2f}")
     if rows and "upstream_graph_us" in rows[0]:
         print("\nwhole step against upstream's sequence (per-group builders, per-layer combines)")
         print(f"{'case':16} {'launches':>8} {'upstream':>8} {'step gpu':>9} {'upstream gpu':>12} "

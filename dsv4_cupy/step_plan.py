@@ -1,0 +1,177 @@
+"""A whole step's plan: the checks of every group's arrays and the host
+decisions of a step with prefills (the chunk plans, the indexer's compressed
+rows), typed (``StepPlan``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import checks, host
+from .combine import PlanChunk
+from .families import SLOT_MAPPING_AXIS
+from .group import Split, StepArrays
+from .kinds import HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
+from .metadata import CommonAttentionMetadata
+from .prefill_plan import plan_chunks
+from .spec import C4A_RATIO, C128A_RATIO
+
+#: The KV-cache groups of a DeepSeek-V4 step, as the step builder takes them.
+GROUPS = ("swa", "c4a", "indexer", "c128a")
+
+
+@dataclass
+class ChunkPlans:
+    """A step's prefill chunk plans (``get_prefill_chunk_plan``) placed in its rows."""
+
+    c128a: list          # [PlanChunk] of the C128A layers
+    swa: list            # [PlanChunk] of the SWA-only layers
+
+
+@dataclass
+class StepPlan:
+    """A step's checked arrays and host decisions: everything a build launches from."""
+
+    cms: dict                    # the groups' CommonAttentionMetadata
+    arrays: StepArrays           # the C128A group's (the step's shared query layout)
+    tables: dict                 # group -> its probed block table
+    swa_slot_mapping: Operand    # the SWA group's slot mapping (its tokens' validity)
+    split: Split
+    width: int                   # C128A columns written
+    c128a_tokens: int            # tokens whose C128A rows are written
+    valid_tokens: int
+    compressed: int              # the indexer's compressed rows over the prefills
+    chunks: ChunkPlans | None    # with combined_prefill and prefills
+    short_context: bool          # the C4A short-context rows are built
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arrays.num_tokens
+
+
+def check_group_metadata(common_attn_metadata) -> dict:
+    """The step's metadata: a dict of one ``CommonAttentionMetadata`` per group of ``GROUPS``."""
+    if not isinstance(common_attn_metadata, dict) or set(common_attn_metadata) != set(GROUPS):
+        got = (sorted(common_attn_metadata) if isinstance(common_attn_metadata, dict)
+               else type(common_attn_metadata).__name__)
+        raise TypeError(f"common_attn_metadata: expected a dict of one "
+                        f"CommonAttentionMetadata per group {GROUPS}, got {got}")
+    for group in GROUPS:
+        if not isinstance(common_attn_metadata[group], CommonAttentionMetadata):
+            raise TypeError(f"common_attn_metadata[{group!r}]: expected a "
+                            f"CommonAttentionMetadata, got "
+                            f"{type(common_attn_metadata[group]).__name__}")
+    return common_attn_metadata
+
+
+def check_groups(cms: dict, arrays: StepArrays, kind: str, device: int, like,
+                 max_blocks: int) -> tuple[dict, Operand]:
+    """The other groups' arrays: the C128A group's query layout, their own
+    tables and the SWA group's slot mapping. Returns ``({group: probed
+    block table}, probed SWA slot mapping)``."""
+    cm128, ops128 = cms["c128a"], arrays.ops
+    # Every section reads the shared layout of every request.
+    checks.check(ops128["seq_lens"], (INT32,), 1, min_len=cm128.num_reqs)
+    tables = {"c128a": ops128["block_table_tensor"]}
+    swa_slots = None
+    for group in ("swa", "c4a", "indexer"):
+        cm = cms[group]
+        if (cm.num_reqs, cm.num_actual_tokens) != (cm128.num_reqs, cm128.num_actual_tokens):
+            raise ValueError(f"common_attn_metadata[{group!r}]: expected the step's counts "
+                             f"(num_reqs={cm128.num_reqs}, num_actual_tokens="
+                             f"{cm128.num_actual_tokens}), got ({cm.num_reqs}, "
+                             f"{cm.num_actual_tokens})")
+        # Only the SWA group's slot mapping is read (its tokens' validity); the
+        # compressed slot mappings come from the block tables. The query
+        # layout is the C128A group's: the same objects need no second look.
+        layout = [name for name in ("query_start_loc", "seq_lens")
+                  if getattr(cm, name) is not getattr(cm128, name)]
+        if cm.block_table_tensor is None:
+            raise TypeError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
+                            f"an int32 array [num_reqs, max_blocks], got None")
+        group_kind, group_device, ops = probe_all({
+            **{f"{group}.{name}": getattr(cm, name) for name in layout},
+            f"{group}.block_table_tensor": cm.block_table_tensor,
+            f"{group}.slot_mapping": cm.slot_mapping if group == "swa" else None})
+        if (group_kind, group_device) != (kind, device):
+            raise TypeError(f"common_attn_metadata[{group!r}]: expected arrays like the "
+                            f"builder's buffers ({describe(like)}), "
+                            f"got {describe(cm.block_table_tensor)}")
+        for name in layout:
+            mine, shared = ops[f"{group}.{name}"], ops128[name]
+            if (mine.ptr, mine.shape, mine.strides, mine.dtype) != \
+                    (shared.ptr, shared.shape, shared.strides, shared.dtype):
+                raise ValueError(f"common_attn_metadata[{group!r}].{name}: expected the "
+                                 f"array the C128A group has (the groups share the query "
+                                 f"layout)")
+        table = ops[f"{group}.block_table_tensor"]
+        checks.check(table, (INT32,), 2)
+        if table.shape[0] > cm.num_reqs:
+            raise ValueError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
+                             f"at most num_reqs ({cm.num_reqs}) rows, got shape "
+                             f"{tuple(table.shape)}")
+        tables[group] = table
+        if group == "swa":
+            swa_slots = ops["swa.slot_mapping"]
+    checks.check(swa_slots, SLOT_MAPPING_AXIS.values, 1, min_len=cm128.num_actual_tokens)
+    if swa_slots.dtype != ops128["slot_mapping"].dtype:
+        raise TypeError(f"common_attn_metadata['swa'].slot_mapping: expected the C128A "
+                        f"group's dtype {ops128['slot_mapping'].dtype}, got {swa_slots.dtype}")
+    if tables["indexer"].shape[1] > max_blocks:
+        raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected at "
+                         f"most {max_blocks} columns (cdiv(max_model_len, block_size)),"
+                         f" got shape {tuple(tables['indexer'].shape)}")
+    return tables, swa_slots
+
+
+def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
+                  combined_prefill: bool, chunk_size: int, window_size: int, max_model_len: int,
+                  max_num_batched_tokens: int) -> tuple[ChunkPlans | None, int]:
+    """``(chunk plans, compressed rows of the indexer)`` from host data."""
+    num_decodes, num_prefills = split.num_decodes, split.num_prefills
+    if not num_prefills:
+        return None, 0
+    if cm.seq_lens_cpu is None:
+        raise ValueError("common_attn_metadata['c128a'].seq_lens_cpu: required for a step "
+                         "with prefills (the chunk plans and the indexer's row count are "
+                         "host decisions), got None")
+    seq_cpu = probe("seq_lens_cpu", cm.seq_lens_cpu)
+    if seq_cpu.kind not in HOST_KINDS:
+        raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
+                        f"{describe(cm.seq_lens_cpu)}")
+    checks.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
+    # Python ints: a handful of requests costs less than numpy calls.
+    end = num_decodes + num_prefills
+    seq = host.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:end].tolist()
+    starts = host_qsl[num_decodes:end + 1].tolist()
+    queries = [b - a for a, b in zip(starts, starts[1:])]
+    if min(seq) < 0:
+        raise ValueError(f"seq_lens_cpu: expected the prefill requests' lengths >= 0, got {seq}")
+    if min(queries) < 0 or sum(queries) > split.num_prefill_tokens:
+        raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
+                         f"lengths >= 0 and at most num_prefill_tokens="
+                         f"{split.num_prefill_tokens} in all, got {queries}")
+    compressed = sum(max(length // C4A_RATIO, 0) for length in seq)
+    if compressed > max_num_compressed:
+        raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
+                         f"{max_num_compressed} compressed indexer rows over the "
+                         f"prefills, got {compressed}")
+    if not combined_prefill:
+        return None, compressed
+    plan_args = (chunk_size, window_size, max_model_len, max_num_batched_tokens)
+    plans = (plan_chunks(seq, queries, C128A_RATIO, *plan_args),
+             plan_chunks(seq, queries, 1, *plan_args))
+    for plan in plans:
+        for start, end, _, M in plan:
+            if M * (end - start) > np.iinfo(np.int32).max:
+                raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
+                                 f"per request, {end - start} requests) exceeds int32")
+    first = starts[0]
+    placed = []
+    for plan in plans:
+        # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
+        chunks = [PlanChunk(start, end, N, M, starts[start] - first, starts[end] - first)
+                  for start, end, N, M in plan]
+        chunks[-1] = chunks[-1]._replace(end_row=split.num_prefill_tokens)
+        placed.append(chunks)
+    return ChunkPlans(*placed), compressed
