@@ -10,13 +10,8 @@ from .c4a_layer import c4a_layer_topk
 from .c128a import build_c128a_topk_metadata
 from .combine import build_c128a_combined_prefill_rows, combine_topk_swa_indices
 from .dcp import get_dcp_local_seq_lens
-from .errors import (
-                     Dsv4Error,
-                     KernelCompileError,
-                     NoGPUError,
-                     NVRTCMissingError,
-                     UnsupportedDeviceError,
-)
+from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingError,
+                     UnsupportedDeviceError)
 from .global_topk import compute_global_topk_indices_and_lens
 from .indexer_decode import build_indexer_decode_metadata
 from .indexer_prefill import build_indexer_prefill_chunk_metadata
@@ -27,17 +22,9 @@ from .prefill_gather import compute_prefill_gather_lens
 from .prefill_plan import get_prefill_chunk_plan
 from .short_context import fill_short_context_topk_indices
 from .slot_mapping import get_compressed_slot_mapping
-from .spec import (
-                     C128A_TOPK_ALIGNMENT,
-                     FP8_DS_MLA_BYTES_PER_TOKEN,
-                     HEAD_SIZE,
-                     KV_BLOCK_SIZE,
-                     PAD_SLOT_ID,
-                     DeepseekV4FlashMLABackend,
-                     c128a_active_width,
-                     c128a_capacity,
-                     kv_cache_shape,
-)
+from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, KV_BLOCK_SIZE,
+                   PAD_SLOT_ID, DeepseekV4FlashMLABackend, c128a_active_width, c128a_capacity,
+                   kv_cache_shape)
 from .split import split_decodes_and_prefills
 from .step_builder import DeepseekV4StepMetadata, DeepseekV4StepMetadataBuilder
 from .swa import compute_swa_indices_and_lens

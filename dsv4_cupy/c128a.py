@@ -1,13 +1,17 @@
 """``build_c128a_topk_metadata``: the C128A (ratio-128) top-k rows and lengths."""
 from __future__ import annotations
 
-from . import checks, cpu, families, validation
+import numpy as np
+from numba import njit, prange
+
+from . import checks, validation
+from .cpu import ParallelKernel, div_trunc
 from .dcp import check_cp
-from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
+from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS, KernelFamily
 from .geometry import row_chunks
 from .kinds import INT32, Operand, probe_all
 from .launch import Launch, table_of
-from .params import C128ARows, RowChunks, SlotGeometry
+from .params import BLOCK_TABLE, I64, PTR, SLOT_GEOMETRY, Group, Params, SlotGeometry
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .slot_mapping import slot_geometry
@@ -15,6 +19,68 @@ from .spec import MAX_BLOCK_SIZE
 
 #: vLLM's width when neither buffers nor a width are given.
 DEFAULT_MAX_COMPRESSED_TOKENS = 8192
+C128A_ROWS = Group("C128ARows", [
+    ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("decode_stride", I64),
+    ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64)], module=__name__)
+ROW_CHUNKS = Group("RowChunks", [("cols_per_block", I64), ("chunks", I64), ("row_blocks", I64)],
+                   module=__name__)
+C128ARows, RowChunks = C128A_ROWS.record, ROW_CHUNKS.record
+PARAMS = Params("C128AParams", [
+    ("positions", PTR), ("token_to_req", PTR), ("slot_mapping", PTR), ("table", BLOCK_TABLE),
+    ("geometry", SLOT_GEOMETRY), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS),
+    ("num_tokens", I64), ("num_decode_tokens", I64)])
+
+
+@njit(cache=True, inline="always")
+def owned_rows(n, geometry):
+    """Rows among 0..n-1 owned by ``geometry.cp_rank`` (the kernels' owned_rows)."""
+    world, interleave = geometry.cp_world_size, geometry.cp_interleave
+    if world == 1:
+        return n
+    per_rank = n // interleave // world * interleave
+    return per_rank + min(max(n - per_rank * world - geometry.cp_rank * interleave, 0), interleave)
+
+
+@ParallelKernel
+def cpu_c128a_topk_metadata(positions, token_to_req, slot_mapping, table, geometry, rows,
+                        num_tokens, num_decode_tokens):
+    """Rows of ``rows.width`` columns: decode rows get global (rank-local under
+    DCP) slot ids and a length, prefill rows get local indices; -1 past the
+    count. A decode token that is not valid (slot < 0, or t >=
+    num_valid_tokens when that is >= 0) or whose request is outside the table
+    gets -1 and length 0; rows past the table row's blocks are -1 and not
+    counted."""
+    block_size, ratio, width = geometry.block_size, geometry.ratio, rows.width
+    entries, table_rows, table_cols, table_stride = table
+    global_decode, decode_lens, prefill = rows.global_decode, rows.decode_lens, rows.prefill
+    decode_stride, prefill_stride = rows.decode_stride, rows.prefill_stride
+    num_valid_tokens = rows.num_valid_tokens
+    for t in prange(num_tokens):
+        n = max(min(div_trunc(np.int64(positions[t]) + 1, ratio), width), 0)
+        if t < num_decode_tokens:
+            req = np.int64(token_to_req[t])
+            valid = slot_mapping[t] >= 0 if num_valid_tokens < 0 else t < num_valid_tokens
+            count = 0
+            if valid and 0 <= req < table_rows:
+                count = min(owned_rows(n, geometry), table_cols * block_size)
+            row = t * decode_stride
+            for e in range(count):
+                # int32 product as in vLLM (wraps the same way).
+                global_decode[row + e] = np.int32(
+                    entries[req * table_stride + e // block_size] * block_size + e % block_size)
+            global_decode[row + count:row + width] = -1
+            decode_lens[t] = count
+        else:
+            row = (t - num_decode_tokens) * prefill_stride
+            for e in range(n):
+                prefill[row + e] = e
+            prefill[row + n:row + width] = -1
+
+
+FAMILY = KernelFamily("c128a.cuh", "c128a_topk_metadata", PARAMS, (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
+CPU_KERNEL = cpu_c128a_topk_metadata
+FAMILIES = (FAMILY,)
+
 _OP = PreparedOp("build_c128a_topk_metadata")
 
 
@@ -164,10 +230,23 @@ def c128a_launch(positions: Operand, token_to_req: Operand, slot_mapping: Operan
     cols_per_block, chunks, blocks = (row_chunks(num_tokens, rows.width, device)
                                       if device >= 0 and num_tokens else (0, 1, 0))
     return Launch(
-        families.C128A, blocks,
+        FAMILY, blocks,
         dict(positions=positions, token_to_req=token_to_req, slot_mapping=slot_mapping,
              table=table_of(table), geometry=geometry, rows=rows,
              chunks=RowChunks(cols_per_block=cols_per_block, chunks=chunks, row_blocks=blocks),
              num_tokens=num_tokens, num_decode_tokens=num_decode_tokens),
         variant={"positions": positions.dtype, "slot_mapping": slot_mapping.dtype},
-        kernel=cpu.c128a_topk_metadata)
+        kernel=cpu_c128a_topk_metadata)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    rows = C128ARows(global_decode=tiny.rows, decode_lens=tiny.out32, prefill=tiny.rows,
+                     decode_stride=4, prefill_stride=4, width=4,
+                     num_valid_tokens=VALIDITY_FROM_SLOTS)
+    for positions in (tiny.out32, tiny.out64):
+        for slots in (tiny.out32, tiny.out64):
+            yield (f"c128a_topk_metadata[p{positions.dtype.itemsize * 8}"
+                   f"_s{slots.dtype.itemsize * 8}]",
+                   c128a_launch(positions, tiny.out32, slots, tiny.table, tiny.geometry, rows,
+                                1, 1, -1))

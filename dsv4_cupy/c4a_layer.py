@@ -1,14 +1,23 @@
 """``c4a_layer_topk``: both uses of a C4A layer's indexer top-k in one launch."""
 from __future__ import annotations
 
-from . import checks, families, geometry
+from . import checks, combine, geometry, global_topk
 from .combine import check_combine
+from .family import KernelFamily
 from .global_topk import check_global_topk
 from .kinds import INT32, probe
 from .launch import Launch
+from .params import I64, Params
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 
+PARAMS = Params("C4ALayerParams", [
+    ("decode", global_topk.PARAMS), ("prefill", combine.PARAMS), ("decode_blocks", I64),
+    ("decode_compact", I64)])
+#: Fused: the global top-k and the combine of one C4A layer in one launch.
+FAMILY = KernelFamily("c4a_layer.cuh", "c4a_layer_topk", PARAMS)
+CPU_KERNEL = None
+FAMILIES = (FAMILY,)
 _OP = PreparedOp("c4a_layer_topk")
 
 
@@ -86,15 +95,20 @@ def c4a_layer_topk(topk_indices, num_decode_tokens: int, token_to_req_indices, b
     checks.check_no_alias(written[2:], read[1:4] + [probe(                  # prefill out
         "topk_indices", topk_indices[:num_decode_tokens])])                 # vs decode in
     (decode_launch,), (prefill_launch,) = decode.launches, prefill.launches
-    blocks = geometry.check_grid(decode_launch.blocks + prefill_launch.blocks, num_tokens,
-                                 "topk_indices")
-    launch = Launch(families.C4A_LAYER, blocks,
-                    dict(decode=decode_launch, prefill=prefill_launch,
-                         decode_blocks=decode_launch.blocks, decode_compact=int(bool(compact))),
-                    parts=(decode_launch, prefill_launch))
+    launch = c4a_layer_launch(decode_launch, prefill_launch, bool(compact), num_tokens)
     results = (decode.results, prefill.results)
     return _OP.run(key, Checked(decode.kind, decode.device, results, (launch,),
                                 (*decode.results, *prefill.results)))
+
+
+def c4a_layer_launch(decode: Launch, prefill: Launch, compact: bool, num_tokens: int) -> Launch:
+    """The fused launch of a layer's decode rows (a global top-k launch) and
+    prefill rows (a combine launch of a warp per row), each on its own
+    blocks; rows past one grid are refused naming ``topk_indices``."""
+    blocks = geometry.check_grid(decode.blocks + prefill.blocks, num_tokens, "topk_indices")
+    return Launch(FAMILY, blocks, dict(decode=decode, prefill=prefill,
+                                       decode_blocks=decode.blocks, decode_compact=int(compact)),
+                  parts=(decode, prefill))
 
 
 def _parts(out):
@@ -102,3 +116,8 @@ def _parts(out):
         raise TypeError(f"out: expected ((global, lens), (combined, combined_lens)), got "
                         f"{type(out).__name__}")
     return out[0], out[1]
+
+
+def warm_launches(tiny):
+    """No CPU kernel of its own: its parts' are its families'."""
+    return iter(())

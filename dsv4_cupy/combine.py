@@ -6,14 +6,82 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from numba import prange
 
-from . import checks, cpu, families, geometry, validation
+from . import checks, geometry, validation
+from .cpu import ParallelKernel, div_trunc, gather_len, request_of
+from .family import COMBINE_LANES_AXIS, COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, KernelFamily
+from .geometry import MAX_PLAN_CHUNKS, RUN_TIME, combine_lanes
 from .kinds import INT32, Operand, probe_all
 from .launch import Launch, NoArray
-from .params import MAX_PLAN_CHUNKS, PREFILL_COMBINE, PrefillPlan, QueryLayout
+from .params import I32, I64, PTR, QUERY_LAYOUT, Array, Group, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE, combined_width
+
+PARAMS = Params("CombineParams", [
+    ("query", QUERY_LAYOUT), ("gather_lens", PTR), ("topk_indices", PTR), ("out", PTR),
+    ("lens", PTR), ("topk_stride", I64), ("out_stride", I64), ("width", I64),
+    ("num_tokens", I64), ("window_size", I64), ("ratio", I64), ("topk", I64),
+    ("rows_per_request", I64), ("swa_offset", I64)])
+PREFILL_PLAN = Group("PrefillPlan", [
+    ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
+    ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
+    ("swa_offset", Array(I32, MAX_PLAN_CHUNKS))], module=__name__)
+PrefillPlan = PREFILL_PLAN.record
+#: A layer type's combined prefill rows over a prefill plan (a section of the step kernel).
+PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", PARAMS), ("lanes", I64),
+                                                  ("plan", PREFILL_PLAN)])
+
+
+@ParallelKernel
+def cpu_combine_topk_swa_indices(query, gather_lens, topk_indices, out, lens, topk_stride,
+                             out_stride, width, num_tokens, window_size, ratio, topk,
+                             rows_per_request, swa_offset):
+    """The hardened V4.1 combine (see kernels/combine.cuh). Without
+    ``topk_indices`` (empty) the compressed entries are C128A's local prefill
+    rows, ``x = k``; without ``gather_lens`` (empty) a request's gather length
+    is computed."""
+    qsl, seq_lens, num_reqs = query
+    first = np.int64(qsl[0])
+    total = np.int64(qsl[num_reqs]) - first if num_reqs > 0 else 0
+    rule_rows = topk_indices.shape[0] == 0
+    for t in prange(num_tokens):
+        row = t * out_stride
+        length = 0
+        if t < total:
+            b = request_of(qsl, num_reqs, first + t)
+            qs = np.int64(qsl[b])
+            qe = np.int64(qsl[b + 1])
+            seq_len = np.int64(seq_lens[b])
+            position = seq_len - (qe - qs) + (first + t - qs)
+            topk_len = 0
+            if topk > 0:
+                topk_len = max(min(div_trunc(position + 1, ratio), topk), 0)
+            request_base = rows_per_request * b
+            for k in range(topk_len):
+                x = np.int64(k) if rule_rows else np.int64(topk_indices[t * topk_stride + k])
+                out[row + k] = np.int32(x + request_base) if 0 <= x < swa_offset else -1
+            gathered = (np.int64(gather_lens[b]) if gather_lens.shape[0] > 0
+                         else gather_len(qe - qs, seq_len, window_size))
+            gather_start = seq_len - gathered
+            swa_start = max(position - window_size + 1, 0, gather_start)
+            swa_len = max(position - swa_start + 1, 0)
+            first_row = request_base + swa_offset + (swa_start - gather_start)
+            for i in range(swa_len):
+                out[row + topk_len + i] = np.int32(first_row + i)
+            length = topk_len + swa_len
+        out[row + length:row + width] = -1
+        lens[t] = length
+
+
+#: A compiled-in width comes with its own lanes only (the run-time width with each).
+FAMILY = KernelFamily("combine.cuh", "combine_topk_swa_indices", PARAMS,
+                      (COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, COMBINE_LANES_AXIS),
+                      where=lambda width, window, lanes: (width == RUN_TIME
+                                                          or lanes == combine_lanes(width)))
+CPU_KERNEL = cpu_combine_topk_swa_indices
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("combine_topk_swa_indices")
 _C128A_ROWS = PreparedOp("build_c128a_combined_prefill_rows")
@@ -170,7 +238,7 @@ def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices
     row, a fused kernel's (default ``geometry.combine_lanes``)."""
     width = combined_width(topk, window_size)
     lanes = geometry.combine_lanes(width) if lanes is None else lanes
-    family = families.COMBINE
+    family = FAMILY
     return Launch(
         family, geometry.row_lane_blocks(num_tokens, lanes) if device >= 0 and num_tokens else 0,
         dict(query=query, gather_lens=NoArray(INT32) if gather_lens is None else gather_lens,
@@ -182,7 +250,7 @@ def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices
              rows_per_request=rows_per_request, swa_offset=swa_offset),
         variant={"width": family.compiled_in("width", width),
                  "window": family.compiled_in("window", window_size), "lanes": lanes},
-        kernel=cpu.combine_topk_swa_indices)
+        kernel=cpu_combine_topk_swa_indices)
 
 
 class PlanChunk(NamedTuple):
@@ -236,3 +304,10 @@ def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_de
         launches.append(Launch(None, rows.blocks, dict(rows=rows, lanes=lanes, plan=plan),
                                layout=PREFILL_COMBINE, parts=per_chunk))
     return launches
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``): an
+    absent top-k or gather length is an empty int32 array, the same signature."""
+    yield "combine_topk_swa_indices", combine_launch(tiny.query, tiny.out32, tiny.rows,
+                                                     tiny.rows, tiny.out32, 1, 2, 1, 1, 2, 1, -1)

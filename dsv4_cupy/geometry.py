@@ -10,6 +10,9 @@ from .spec import cdiv
 RUN_TIME = 0
 #: Threads per block of every kernel (the kernels' __launch_bounds__, passed as DSV4_THREADS).
 THREADS = 256
+#: Chunks of a prefill plan one step launch carries (a longer plan takes more launches;
+#: passed to kernels as DSV4_MAX_PLAN_CHUNKS).
+MAX_PLAN_CHUNKS = 32
 #: Grid-stride kernels never ask for more blocks than this.
 MAX_GRID_STRIDE_BLOCKS = 1 << 20
 #: CUDA's largest grid (blocks in x): the bound of a kernel with no grid-stride loop.

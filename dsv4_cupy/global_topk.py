@@ -3,14 +3,64 @@ request-local compressed rows to global slots."""
 from __future__ import annotations
 
 import numpy as np
+from numba import prange
 
-from . import checks, cpu, families, geometry, validation
-from .geometry import RUN_TIME
+from . import checks, geometry, validation
+from .cpu import ParallelKernel
+from .family import C4A_BLOCK_AXIS, TOP_K_AXIS, TOP_K_THREADS_AXIS, KernelFamily
+from .geometry import RUN_TIME, topk_row_threads
 from .kinds import BOOL, INT32, Operand, probe_all
 from .launch import Launch, table_of
+from .params import BLOCK_TABLE, I64, PTR, Params
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+PARAMS = Params("GlobalTopkParams", [
+    ("table", BLOCK_TABLE), ("topk_indices", PTR), ("token_to_req", PTR),
+    ("is_valid_token", PTR), ("out", PTR), ("lens", PTR), ("topk_stride", I64),
+    ("out_stride", I64), ("width", I64), ("num_tokens", I64), ("block_size", I64)])
+
+
+@ParallelKernel
+def cpu_global_topk_indices_and_lens(table, topk_indices, token_to_req, is_valid_token, out, lens,
+                                 topk_stride, out_stride, width, num_tokens, block_size,
+                                 compact):
+    """Local compressed rows to global slots; -1 (not counted) for x < 0 or a
+    block column past the table row. In place (out is topk_indices) is safe:
+    entry k is read before anything at or below k is written."""
+    entries, table_rows, table_cols, table_stride = table
+    for t in prange(num_tokens):
+        req = np.int64(token_to_req[t])
+        source = t * topk_stride
+        target = t * out_stride
+        count = 0
+        if is_valid_token[t] and 0 <= req < table_rows:
+            for k in range(width):
+                x = np.int64(topk_indices[source + k])
+                if x >= 0 and x // block_size < table_cols:
+                    out[target + (count if compact else k)] = np.int32(
+                        entries[req * table_stride + x // block_size] * block_size
+                        + x % block_size)
+                    count += 1
+                elif not compact:
+                    out[target + k] = -1
+            if compact:
+                out[target + count:target + width] = -1
+        else:
+            out[target:target + width] = -1
+        lens[t] = count
+
+
+FAMILY = KernelFamily("global_topk.cuh", "global_topk_indices_and_lens", PARAMS,
+                      (TOP_K_AXIS, C4A_BLOCK_AXIS, TOP_K_THREADS_AXIS),
+                      where=lambda top_k, block_size, threads: (
+                          threads == topk_row_threads(top_k)),
+                      threads_axis="threads")
+#: The same rows with their valid entries packed to the front (``compact=True``).
+COMPACT_FAMILY = KernelFamily("global_topk.cuh", "global_topk_compact_indices_and_lens", PARAMS)
+CPU_KERNEL = cpu_global_topk_indices_and_lens
+FAMILIES = (FAMILY, COMPACT_FAMILY)
 
 _OP = PreparedOp("compute_global_topk_indices_and_lens")
 
@@ -103,7 +153,7 @@ def global_topk_launch(topk_indices: Operand, token_to_req: Operand, table: Oper
     """The global slots of the rows of ``topk_indices``, into ``out`` (which may
     be ``topk_indices``: in place) and ``lens``; ``device`` -1 for the CPU."""
     num_tokens, width = topk_indices.shape
-    family = families.GLOBAL_TOPK_COMPACT if compact else families.GLOBAL_TOPK
+    family = COMPACT_FAMILY if compact else FAMILY
     variant = {}
     if not compact:
         # A compiled-in K also means rows of 16-byte vectors (kernels/global_topk.cuh).
@@ -117,4 +167,10 @@ def global_topk_launch(topk_indices: Operand, token_to_req: Operand, table: Oper
              is_valid_token=is_valid_token, out=out, lens=lens,
              topk_stride=checks.row_stride(topk_indices), out_stride=checks.row_stride(out),
              width=width, num_tokens=num_tokens, block_size=block_size, compact=compact),
-        variant=variant, kernel=cpu.global_topk_indices_and_lens)
+        variant=variant, kernel=cpu_global_topk_indices_and_lens)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    yield "global_topk_indices_and_lens", global_topk_launch(
+        tiny.rows, tiny.out32, tiny.table, 1, tiny.valid, False, tiny.rows, tiny.out32, -1)

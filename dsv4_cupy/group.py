@@ -15,36 +15,17 @@ from typing import NamedTuple
 import numpy as np
 
 from . import checks, host, keys, validation
-from .c128a import VALIDITY_FROM_SLOTS, c128a_launch
+from .c128a import VALIDITY_FROM_SLOTS, C128ARows, c128a_launch
 from .dcp import check_cp
-from .families import POSITIONS_AXIS, SLOT_MAPPING_AXIS
-from .kinds import (
-    GPU_KINDS,
-    HOST_KINDS,
-    INT32,
-    INT64,
-    Operand,
-    describe,
-    device_of,
-    full_like_kind,
-    kind_of,
-    probe,
-    probe_all,
-)
+from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
+from .kinds import (GPU_KINDS, HOST_KINDS, INT32, INT64, Operand, describe, device_of,
+                    full_like_kind, kind_of, probe, probe_all)
 from .launch import Launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
-from .params import C128ARows
 from .scalars import check_choice, check_int
 from .slot_mapping import slot_geometry, slot_mapping_launch
-from .spec import (
-    C128A_RATIO,
-    INDEX_TOPKS,
-    KV_BLOCK_SIZE,
-    MAX_BLOCK_SIZE,
-    DeepseekV4FlashMLABackend,
-    active_width,
-    c128a_capacity,
-)
+from .spec import (C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
+                   DeepseekV4FlashMLABackend, active_width, c128a_capacity)
 from .split import host_prefilling, split_host
 from .token_map import token_map_launch
 

@@ -2,13 +2,55 @@
 decode metadata."""
 from __future__ import annotations
 
-from . import checks, cpu, families, geometry, validation
+import numpy as np
+from numba import prange
+
+from . import checks, geometry, validation
+from .cpu import ParallelKernel, request_of
+from .family import KernelFamily
 from .kinds import INT32, Operand, probe_all
 from .launch import Launch, table_of
-from .params import QueryLayout
+from .params import BLOCK_TABLE, I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+PARAMS = Params("IndexerDecodeParams", [
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("context_lens", PTR), ("req_ids", PTR),
+    ("decode_lens", PTR), ("block_rows", PTR), ("block_rows_stride", I64), ("num_tokens", I64),
+    ("context_lens_len", I64), ("ratio", I64)])
+
+
+@ParallelKernel
+def cpu_indexer_decode_metadata(query, table, context_lens, req_ids, decode_lens, block_rows,
+                            block_rows_stride, num_tokens, context_lens_len, ratio):
+    """Per token: context length // ratio (0 for padding), request id (distinct
+    R + (t - qsl[R]) for padding), decode length 1, block-table row (zeros for
+    padding); context_lens is zeroed past num_tokens to context_lens_len."""
+    qsl, seq_lens, num_reqs = query
+    entries, _, cols, table_stride = table
+    mapped = np.int64(qsl[num_reqs])
+    for t in prange(num_tokens):
+        row = t * block_rows_stride
+        if num_reqs > 0 and t < mapped:
+            b = request_of(qsl, num_reqs, t)
+            qs = np.int64(qsl[b])
+            length = np.int64(seq_lens[b]) - (np.int64(qsl[b + 1]) - qs) + (t - qs) + 1
+            context_lens[t] = max(length, 0) // ratio
+            req_ids[t] = b
+            source = b * table_stride
+            block_rows[row:row + cols] = entries[source:source + cols]
+        else:
+            context_lens[t] = 0
+            req_ids[t] = np.int32(num_reqs + (t - mapped))
+            block_rows[row:row + cols] = 0
+        decode_lens[t] = 1
+    context_lens[num_tokens:context_lens_len] = 0
+
+
+FAMILY = KernelFamily("indexer_decode.cuh", "indexer_decode_metadata", PARAMS)
+CPU_KERNEL = cpu_indexer_decode_metadata
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("build_indexer_decode_metadata")
 
@@ -89,9 +131,15 @@ def indexer_decode_launch(query: QueryLayout, table: Operand, context_lens: Oper
     context_len = context_lens.shape[0]
     blocks = (geometry.indexer_decode_blocks(num_tokens, table.shape[1], context_len)
               if context_len else 0)
-    return Launch(families.INDEXER_DECODE, blocks,
+    return Launch(FAMILY, blocks,
                   dict(query=query, table=table_of(table), context_lens=context_lens,
                        req_ids=req_ids, decode_lens=decode_lens, block_rows=block_rows,
                        block_rows_stride=checks.row_stride(block_rows), num_tokens=num_tokens,
                        context_lens_len=context_len, ratio=compress_ratio),
-                  kernel=cpu.indexer_decode_metadata)
+                  kernel=cpu_indexer_decode_metadata)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    yield "indexer_decode_metadata", indexer_decode_launch(
+        tiny.query, tiny.table, tiny.out32, tiny.out32, tiny.out32, tiny.rows, 1, 4)

@@ -3,14 +3,55 @@ compressed-key ranges of one prefill chunk."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from . import checks, cpu, families, geometry, host, validation
+from . import checks, geometry, host, validation
+from .cpu import div_trunc
+from .family import KernelFamily
 from .kinds import GPU_KINDS, INT32, Operand, probe_all
 from .launch import Launch
-from .params import QueryLayout
+from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+PARAMS = Params("IndexerPrefillParams", [
+    ("query", QUERY_LAYOUT), ("cu_compressed", PTR), ("token_to_seq", PTR), ("seqlen_ks", PTR),
+    ("seqlen_ke", PTR), ("num_compressed", I64), ("ratio", I64), ("query_slice_start", I64),
+    ("query_slice_stop", I64)])
+
+
+@njit(cache=True)
+def cpu_indexer_prefill_chunk_metadata(query, cu_compressed, token_to_seq, seqlen_ks, seqlen_ke,
+                                   num_compressed, ratio, query_slice_start, query_slice_stop):
+    """cu_compressed, token_to_seq (-1 past the total), ks/ke of the query slice
+    (ks = ke = total past the chunk's last token); see kernels/indexer_prefill.cuh."""
+    qsl, num_reqs = query.query_start_loc, query.num_reqs
+    first = np.int64(qsl[0])
+    first_row = np.int64(0)
+    for b in range(num_reqs):
+        cu_compressed[b] = first_row
+        seq_len = np.int64(query.seq_lens[b])
+        rows = max(seq_len // ratio, 0)    # floor and truncation agree for L >= 0
+        for x in range(first_row, min(first_row + rows, num_compressed)):
+            token_to_seq[x] = b
+        qs = np.int64(qsl[b]) - first
+        qe = np.int64(qsl[b + 1]) - first
+        prefix = seq_len - (qe - qs)
+        for a in range(max(qs, query_slice_start), min(qe, query_slice_stop)):
+            seqlen_ks[a - query_slice_start] = first_row
+            seqlen_ke[a - query_slice_start] = first_row + div_trunc(prefix + 1 + a - qs, ratio)
+        first_row += rows
+    cu_compressed[num_reqs] = first_row
+    token_to_seq[min(first_row, num_compressed):num_compressed] = -1
+    for a in range(max(np.int64(qsl[num_reqs]) - first, query_slice_start), query_slice_stop):
+        seqlen_ks[a - query_slice_start] = first_row
+        seqlen_ke[a - query_slice_start] = first_row
+
+
+FAMILY = KernelFamily("indexer_prefill.cuh", "indexer_prefill_chunk_metadata", PARAMS)
+CPU_KERNEL = cpu_indexer_prefill_chunk_metadata
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("build_indexer_prefill_chunk_metadata")
 
@@ -107,9 +148,15 @@ def indexer_prefill_launch(query: QueryLayout, cu_compressed: Operand, token_to_
                            compress_ratio: int, query_slice_start: int,
                            query_slice_stop: int) -> Launch:
     """The chunk's ranges: a block per request, and one for the tail."""
-    return Launch(families.INDEXER_PREFILL, geometry.grid_stride_row_blocks(query.num_reqs + 1),
+    return Launch(FAMILY, geometry.grid_stride_row_blocks(query.num_reqs + 1),
                   dict(query=query, cu_compressed=cu_compressed, token_to_seq=token_to_seq,
                        seqlen_ks=seqlen_ks, seqlen_ke=seqlen_ke, num_compressed=num_compressed,
                        ratio=compress_ratio, query_slice_start=query_slice_start,
                        query_slice_stop=query_slice_stop),
-                  kernel=cpu.indexer_prefill_chunk_metadata)
+                  kernel=cpu_indexer_prefill_chunk_metadata)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    yield "indexer_prefill_chunk_metadata", indexer_prefill_launch(
+        tiny.query, tiny.pair, tiny.out32, tiny.out32, tiny.out32, 1, 4, 0, 1)

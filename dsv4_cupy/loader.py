@@ -30,8 +30,9 @@ import numpy as np
 
 from . import device as devices
 from .errors import KernelCompileError
-from .geometry import POSITION_LIMIT, RUN_TIME, THREADS, WARP_LANES, WARP_PIECE
-from .params import MAX_PLAN_CHUNKS, Params
+from .geometry import (MAX_PLAN_CHUNKS, POSITION_LIMIT, RUN_TIME, THREADS, WARP_LANES,
+                       WARP_PIECE)
+from .params import Params
 from .spec import PAD_SLOT_ID
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -89,9 +90,9 @@ def file_source(file: str) -> str:
 
 def layout_asserts(params: Params) -> str:
     """static_asserts that the C structs have the sizes of ``params`` and its groups
-    (NVRTC has no offsetof: tests/test_params.py compares the fields one by one)."""
+    (NVRTC has no offsetof: the tests compare the fields one by one)."""
     return "".join(f'static_assert(sizeof({layout.c_name}) == {layout.size}, '
-                   f'"{layout.c_name}: size differs from dsv4_cupy/params.py");\n'
+                   f'"{layout.c_name}: size differs from its Python layout");\n'
                    for layout in (*params.groups, params))
 
 

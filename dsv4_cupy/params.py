@@ -1,8 +1,9 @@
-"""Launch parameters: the Python side of ``kernels/params.cuh``, set by field name.
+"""Launch parameters: how a kernel's struct is declared in Python, set by field
+name, and the field groups several families share (``kernels/params.cuh``).
 
-Each kernel takes one struct by value. A struct is built from fields and from
-field *groups* (a block table, a query layout, ...) declared once here and once
-in ``params.cuh``. ``Params.pack_into(buffer, **fields)`` takes every field by
+Each kernel takes one struct by value, declared in its family's module and
+its ``.cuh``. A struct is built from fields and from field *groups* (a block
+table, a query layout, ...). ``Params.pack_into(buffer, **fields)`` takes every field by
 name: a missing or unknown name is a ``TypeError`` and a value that does not
 fit its C type a ``struct.error``, both before anything reaches the GPU. The
 loader compiles ``static_assert``s of every size and offset below into each
@@ -72,16 +73,18 @@ class _Layout:
 
 
 class Group(_Layout):
-    """A nested struct shared by several kernels' parameters. Its ``record``
-    (a named tuple of the same fields) is how a launch names the group's
-    values: ``launch.Launch`` turns it into the C struct's values on the GPU
-    and hands it as it is (arrays as host views) to the numba kernels."""
+    """A nested struct: of several kernels' parameters (here), or of one
+    family's (in its module, ``module`` naming it). Its ``record`` (a named
+    tuple of the same fields) is how a launch names the group's values:
+    ``launch.Launch`` turns it into the C struct's values on the GPU and hands
+    it as it is (arrays as host views) to the numba kernels."""
 
-    def __init__(self, c_name: str, fields: list[tuple[str, object]]):
+    def __init__(self, c_name: str, fields: list[tuple[str, object]],
+                 module: str = __name__):
         super().__init__(c_name, fields)
-        # Bound below to a module-level name of its own: numba's disk cache
-        # pickles the record's type by reference.
-        self.record = collections.namedtuple(c_name, self.names, module=__name__)
+        # Bound to a module-level name of that module (named as the struct):
+        # numba's disk cache pickles the record's type by reference.
+        self.record = collections.namedtuple(c_name, self.names, module=module)
         RECORD_LAYOUTS[self.record] = self
 
 
@@ -113,7 +116,7 @@ class Params(_Layout):
         return np.frombuffer(bytes(buffer), self.dtype)
 
 
-# --- field groups (params.cuh has the per-field comments) ---------------------------------
+# --- the shared field groups (params.cuh has the per-field comments) ----------------------
 QUERY_LAYOUT = Group("QueryLayout", [
     ("query_start_loc", PTR), ("seq_lens", PTR), ("num_reqs", I64)])
 BLOCK_TABLE = Group("BlockTable", [
@@ -121,76 +124,5 @@ BLOCK_TABLE = Group("BlockTable", [
 SLOT_GEOMETRY = Group("SlotGeometry", [
     ("block_size", I64), ("ratio", I64), ("cp_world_size", I64), ("cp_rank", I64),
     ("cp_interleave", I64)])
-C128A_ROWS = Group("C128ARows", [
-    ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("decode_stride", I64),
-    ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64)])
-ROW_CHUNKS = Group("RowChunks", [("cols_per_block", I64), ("chunks", I64), ("row_blocks", I64)])
-#: Chunks of a prefill plan one step launch carries (a longer plan takes more launches).
-MAX_PLAN_CHUNKS = 32
-PREFILL_PLAN = Group("PrefillPlan", [
-    ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
-    ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
-    ("swa_offset", Array(I32, MAX_PLAN_CHUNKS))])
-GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY, C128A_ROWS, ROW_CHUNKS, PREFILL_PLAN)
-QueryLayout, BlockTable, SlotGeometry, C128ARows, RowChunks, PrefillPlan = (
-    group.record for group in GROUPS)
-
-# --- one struct per kernel family ---------------------------------------------------------
-TOKEN_MAP = Params("TokenMapParams", [
-    ("query", QUERY_LAYOUT), ("out", PTR), ("num_tokens", I64)])
-SLOT_MAPPING = Params("SlotMappingParams", [
-    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
-    ("token_slots", PTR), ("out", PTR), ("out_len", I64), ("num_tokens", I64)])
-C128A = Params("C128AParams", [
-    ("positions", PTR), ("token_to_req", PTR), ("slot_mapping", PTR), ("table", BLOCK_TABLE),
-    ("geometry", SLOT_GEOMETRY), ("rows", C128A_ROWS), ("chunks", ROW_CHUNKS),
-    ("num_tokens", I64), ("num_decode_tokens", I64)])
-SWA = Params("SwaParams", [
-    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("token_to_req", PTR),
-    ("is_valid_token", PTR), ("indices", PTR), ("lens", PTR), ("indices_stride", I64),
-    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64),
-    ("guess_shift", I64)])
-GLOBAL_TOPK = Params("GlobalTopkParams", [
-    ("table", BLOCK_TABLE), ("topk_indices", PTR), ("token_to_req", PTR),
-    ("is_valid_token", PTR), ("out", PTR), ("lens", PTR), ("topk_stride", I64),
-    ("out_stride", I64), ("width", I64), ("num_tokens", I64), ("block_size", I64)])
-SHORT_CONTEXT = Params("ShortContextParams", [
-    ("positions", PTR), ("out", PTR), ("out_stride", I64), ("top_k", I64), ("ratio", I64),
-    ("num_tokens", I64)])
-COMBINE = Params("CombineParams", [
-    ("query", QUERY_LAYOUT), ("gather_lens", PTR), ("topk_indices", PTR), ("out", PTR),
-    ("lens", PTR), ("topk_stride", I64), ("out_stride", I64), ("width", I64),
-    ("num_tokens", I64), ("window_size", I64), ("ratio", I64), ("topk", I64),
-    ("rows_per_request", I64), ("swa_offset", I64)])
-PREFILL_GATHER = Params("PrefillGatherParams", [
-    ("query", QUERY_LAYOUT), ("out", PTR), ("num_decodes", I64), ("num_prefills", I64),
-    ("window_size", I64)])
-INDEXER_PREFILL = Params("IndexerPrefillParams", [
-    ("query", QUERY_LAYOUT), ("cu_compressed", PTR), ("token_to_seq", PTR), ("seqlen_ks", PTR),
-    ("seqlen_ke", PTR), ("num_compressed", I64), ("ratio", I64), ("query_slice_start", I64),
-    ("query_slice_stop", I64)])
-INDEXER_DECODE = Params("IndexerDecodeParams", [
-    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("context_lens", PTR), ("req_ids", PTR),
-    ("decode_lens", PTR), ("block_rows", PTR), ("block_rows_stride", I64), ("num_tokens", I64),
-    ("context_lens_len", I64), ("ratio", I64)])
-#: A layer type's combined prefill rows over a prefill plan (a section of the step kernel).
-PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", COMBINE), ("lanes", I64),
-                                                  ("plan", PREFILL_PLAN)])
-
-# --- fused families: each nests the structs of the families it fuses ----------------------
-C4A_LAYER = Params("C4ALayerParams", [
-    ("decode", GLOBAL_TOPK), ("prefill", COMBINE), ("decode_blocks", I64),
-    ("decode_compact", I64)])
-#: The step kernel's sections, in grid order: each is one family's struct.
-STEP_SECTIONS_OF = (("token_map", TOKEN_MAP), ("group_slots", SLOT_MAPPING), ("c128a", C128A),
-                    ("swa", SWA), ("c4a_slots", SLOT_MAPPING), ("indexer_slots", SLOT_MAPPING),
-                    ("gather", PREFILL_GATHER), ("indexer_decode", INDEXER_DECODE),
-                    ("indexer_prefill", INDEXER_PREFILL), ("c128a_combine", PREFILL_COMBINE),
-                    ("swa_combine", PREFILL_COMBINE), ("short_context", SHORT_CONTEXT))
-STEP_SECTION_NAMES = tuple(name for name, _ in STEP_SECTIONS_OF)
-STEP_SECTIONS = Group("StepSections", [(name, I64) for name in STEP_SECTION_NAMES])
-GROUPS += (STEP_SECTIONS,)
-STEP = Params("StepParams", [*STEP_SECTIONS_OF, ("sections", STEP_SECTIONS),
-                             ("swa_slot_mapping", PTR), ("is_valid_out", PTR)])
-ALL = (TOKEN_MAP, SLOT_MAPPING, C128A, SWA, GLOBAL_TOPK, SHORT_CONTEXT, COMBINE, PREFILL_GATHER,
-       INDEXER_PREFILL, INDEXER_DECODE, PREFILL_COMBINE, C4A_LAYER, STEP)
+GROUPS = (QUERY_LAYOUT, BLOCK_TABLE, SLOT_GEOMETRY)
+QueryLayout, BlockTable, SlotGeometry = (group.record for group in GROUPS)

@@ -2,13 +2,37 @@
 from the SWA cache."""
 from __future__ import annotations
 
-from . import checks, cpu, families, geometry, validation
+import numpy as np
+from numba import njit
+
+from . import checks, geometry, validation
+from .cpu import gather_len
+from .family import KernelFamily
 from .kinds import INT32, Operand, probe_all
 from .launch import Launch
-from .params import QueryLayout
+from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import SWA_WINDOW_SIZE
+
+PARAMS = Params("PrefillGatherParams", [
+    ("query", QUERY_LAYOUT), ("out", PTR), ("num_decodes", I64), ("num_prefills", I64),
+    ("window_size", I64)])
+
+
+@njit(cache=True)
+def cpu_prefill_gather_lens(query, out, num_decodes, num_prefills, window_size):
+    """Prefill i (request num_decodes + i): q + min(max(L - q, 0), W - 1)."""
+    qsl = query.query_start_loc
+    for i in range(num_prefills):
+        b = num_decodes + i
+        out[i] = gather_len(np.int64(qsl[b + 1]) - np.int64(qsl[b]),
+                             np.int64(query.seq_lens[b]), window_size)
+
+
+FAMILY = KernelFamily("prefill_gather.cuh", "prefill_gather_lens", PARAMS)
+CPU_KERNEL = cpu_prefill_gather_lens
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("compute_prefill_gather_lens")
 
@@ -64,7 +88,12 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
 def gather_lens_launch(query: QueryLayout, out: Operand, num_decodes: int, num_prefills: int,
                        window_size: int) -> Launch:
     """The gather lengths of prefill requests ``num_decodes + i``, ``i < num_prefills``."""
-    return Launch(families.PREFILL_GATHER, geometry.elementwise_blocks(num_prefills),
+    return Launch(FAMILY, geometry.elementwise_blocks(num_prefills),
                   dict(query=query, out=out, num_decodes=num_decodes, num_prefills=num_prefills,
                        window_size=window_size),
-                  kernel=cpu.prefill_gather_lens)
+                  kernel=cpu_prefill_gather_lens)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    yield "prefill_gather_lens", gather_lens_launch(tiny.query, tiny.out32, 0, 1, 2)

@@ -2,13 +2,45 @@
 layer whose tokens see at most ``top_k`` compressed rows."""
 from __future__ import annotations
 
-from . import checks, cpu, families, geometry, validation
-from .families import POSITIONS_AXIS
+import numpy as np
+from numba import prange
+
+from . import checks, geometry, validation
+from .cpu import ParallelKernel, div_trunc
+from .family import (C4A_RATIO_AXIS, POSITIONS_AXIS, ROW_LANES_AXIS, ROW_THREADS_AXIS, TOP_K_AXIS,
+                     KernelFamily)
+from .geometry import row_block_threads
 from .kinds import INT32, Operand, probe_all
 from .launch import Launch
+from .params import I64, PTR, Params
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+PARAMS = Params("ShortContextParams", [
+    ("positions", PTR), ("out", PTR), ("out_stride", I64), ("top_k", I64), ("ratio", I64),
+    ("num_tokens", I64)])
+
+
+@ParallelKernel
+def cpu_fill_short_context_topk_indices(positions, out, out_stride, top_k, ratio, num_tokens):
+    """Row t: k for k < (p + 1) // ratio (truncating, clamped to [0, top_k]), -1 after."""
+    for t in prange(num_tokens):
+        n = max(min(div_trunc(np.int64(positions[t]) + 1, ratio), top_k), 0)
+        row = t * out_stride
+        for k in range(n):
+            out[row + k] = k
+        out[row + n:row + top_k] = -1
+
+
+FAMILY = KernelFamily("short_context.cuh", "fill_short_context_topk_indices", PARAMS,
+                      (POSITIONS_AXIS, ROW_LANES_AXIS, TOP_K_AXIS, C4A_RATIO_AXIS,
+                       ROW_THREADS_AXIS),
+                      where=lambda positions, lanes, top_k, ratio, threads: (
+                          threads == row_block_threads(lanes)),
+                      threads_axis="threads")
+CPU_KERNEL = cpu_fill_short_context_topk_indices
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("fill_short_context_topk_indices")
 
@@ -70,12 +102,19 @@ def short_context_launch(positions: Operand, out: Operand, top_k: int, compress_
     if device >= 0 and num_tokens and top_k:   # rows of no columns: nothing to write
         lanes = geometry.row_lanes(num_tokens, device) if lanes is None else lanes
         threads = geometry.row_block_threads(lanes)
-        family = families.SHORT_CONTEXT
+        family = FAMILY
         variant = {"positions": positions.dtype, "lanes": lanes,
                    "top_k": family.compiled_in("top_k", top_k),
                    "ratio": family.compiled_in("ratio", compress_ratio), "threads": threads}
         blocks = geometry.row_lane_blocks(num_tokens, lanes, threads)
-    return Launch(families.SHORT_CONTEXT, blocks,
+    return Launch(FAMILY, blocks,
                   dict(positions=positions, out=out, out_stride=checks.row_stride(out),
                        top_k=top_k, ratio=compress_ratio, num_tokens=num_tokens),
-                  variant=variant, kernel=cpu.fill_short_context_topk_indices)
+                  variant=variant, kernel=cpu_fill_short_context_topk_indices)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    for positions in (tiny.out32, tiny.out64):
+        yield (f"fill_short_context_topk_indices[p{positions.dtype.itemsize * 8}]",
+               short_context_launch(positions, tiny.rows, 4, 4, 1, -1))

@@ -1,16 +1,66 @@
 """``get_compressed_slot_mapping``: where each token's compressed row is written."""
 from __future__ import annotations
 
-from . import checks, cpu, families, validation
+import numpy as np
+from numba import njit
+
+from . import checks, validation
 from .dcp import ContextParallel, check_cp, merge_aliases
-from .families import SLOT_MAPPING_AXIS
+from .family import SLOT_MAPPING_AXIS, KernelFamily
 from .geometry import elementwise_blocks
 from .kinds import INT32, INT64, Operand, probe_all
 from .launch import Launch, NoArray, table_of
-from .params import QueryLayout, SlotGeometry
+from .params import (BLOCK_TABLE, I64, PTR, QUERY_LAYOUT, SLOT_GEOMETRY, Params, QueryLayout,
+                     SlotGeometry)
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+PARAMS = Params("SlotMappingParams", [
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
+    ("token_slots", PTR), ("out", PTR), ("out_len", I64), ("num_tokens", I64)])
+
+
+@njit(cache=True)
+def cpu_compressed_slot_mapping(query, table, geometry, token_slots, out, num_tokens):
+    """Fills all of ``out`` with -1, then writes each group-closing token's slot.
+
+    Only tokens below ``min(num_tokens, len(out))`` get a slot, so the loop is
+    bounded by the output whatever the query layout says. Block-table entries
+    are read clamped at 0; a block index past the table's row is "no slot".
+    With ``token_slots`` (not empty; single rank only), a token whose own slot
+    is negative gets no compressed slot either.
+    """
+    out[:] = -1
+    qsl, seq_lens = query.query_start_loc, query.seq_lens
+    block_size, ratio = geometry.block_size, geometry.ratio
+    world, interleave = geometry.cp_world_size, geometry.cp_interleave
+    virtual_block = block_size * world
+    limit = min(num_tokens, out.shape[0])
+    own_slot_rule = token_slots.shape[0] > 0 and world == 1
+    for b in range(table.rows):
+        qs = np.int64(qsl[b])
+        qe = np.int64(qsl[b + 1])
+        start = np.int64(seq_lens[b]) - (qe - qs)
+        for idx in range(max(qs, 0), min(qe, limit)):
+            pos = start + (idx - qs)
+            if pos < 0 or (pos + 1) % ratio != 0:
+                continue
+            if own_slot_rule and token_slots[idx] < 0:
+                continue
+            c = pos // ratio
+            blk = c // virtual_block
+            v = c - blk * virtual_block
+            if (v // interleave) % world != geometry.cp_rank or blk >= table.cols:
+                continue
+            off = (v // (world * interleave)) * interleave + v % interleave
+            entry = np.int64(table.entries[b * table.row_stride + blk])
+            out[idx] = max(entry, 0) * block_size + off
+
+
+FAMILY = KernelFamily("slot_mapping.cuh", "compressed_slot_mapping", PARAMS, (SLOT_MAPPING_AXIS,))
+CPU_KERNEL = cpu_compressed_slot_mapping
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("get_compressed_slot_mapping")
 
@@ -116,9 +166,17 @@ def slot_mapping_launch(query_start_loc: Operand, seq_lens: Operand, table: Oper
     out_len = out.shape[0]
     slot_dtype = INT64 if token_slots is None else token_slots.dtype
     return Launch(
-        families.SLOT_MAPPING, elementwise_blocks(out_len),
+        FAMILY, elementwise_blocks(out_len),
         dict(query=QueryLayout(query_start_loc, seq_lens, table.shape[0]), table=table_of(table),
              geometry=geometry, token_slots=NoArray(INT64) if token_slots is None else token_slots,
              out=out, out_len=out_len, num_tokens=num_tokens),
-        variant={"slot_mapping": slot_dtype}, kernel=cpu.compressed_slot_mapping)
+        variant={"slot_mapping": slot_dtype}, kernel=cpu_compressed_slot_mapping)
 
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``):
+    the tokens' own slots of either dtype (none is an empty int64 array)."""
+    for slots in (tiny.out32, tiny.out64):
+        yield (f"compressed_slot_mapping[s{slots.dtype.itemsize * 8}]",
+               slot_mapping_launch(tiny.qsl, tiny.seq, tiny.table, tiny.geometry, tiny.out64, 1,
+                                   slots))

@@ -18,17 +18,8 @@ from .prepared import PreparedCall, PreparedCalls
 from .scalars import check_int
 from .short_context import short_context_launch
 from .slot_mapping import slot_mapping_launch
-from .spec import (
-    C4A_RATIO,
-    C128A_RATIO,
-    INDEX_TOPKS,
-    KV_BLOCK_SIZE,
-    MAX_BLOCK_SIZE,
-    PREFILL_CHUNK_SIZE,
-    SWA_BLOCK_SIZE,
-    SWA_WINDOW_SIZE,
-    cdiv,
-)
+from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
+                   PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_kernel import step_launch
 from .step_plan import GROUPS, StepPlan, check_group_metadata, check_groups, prefill_plans
 from .swa import swa_launch
@@ -361,7 +352,7 @@ class DeepseekV4StepMetadataBuilder:
 
     def _launches(self, plan: StepPlan, layout_sections: dict) -> list:
         """The step kernel with every section this step needs (a prefill plan
-        longer than ``params.MAX_PLAN_CHUNKS`` chunks adds launches of its
+        longer than ``geometry.MAX_PLAN_CHUNKS`` chunks adds launches of its
         combine). ``layout_sections``: the frozen ``LAYOUT_SECTIONS`` of earlier
         steps of this layout (GPU), filled here when empty."""
         group, cm, split = self.c128a_group, plan.cms["c128a"], plan.split

@@ -1,13 +1,44 @@
 """The fused step kernel (``kernels/step.cuh``): one launch of the sections a
 step needs, each a single family's launch (``launch.Launch``) on its own
-blocks, in the order of ``params.STEP_SECTIONS_OF``. On the CPU its sections'
-kernels run in that order, after the step's own validity pass."""
+blocks, in the order of ``SECTIONS``. On the CPU its sections' kernels run in
+that order, after the step's own validity pass."""
 from __future__ import annotations
 
-from . import cpu, families
+from numba import njit
+
+from . import (c128a, combine, indexer_decode, indexer_prefill, prefill_gather, short_context,
+               slot_mapping, swa, token_map)
+from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS, KernelFamily
 from .kinds import BOOL, INT64, Operand
 from .launch import Launch, NoArray
-from .params import STEP_SECTION_NAMES, STEP_SECTIONS, STEP_SECTIONS_OF
+from .params import I64, PTR, Group, Params
+
+#: The step kernel's sections, in grid order: each is one family's struct.
+SECTIONS = (("token_map", token_map.PARAMS), ("group_slots", slot_mapping.PARAMS),
+            ("c128a", c128a.PARAMS), ("swa", swa.PARAMS), ("c4a_slots", slot_mapping.PARAMS),
+            ("indexer_slots", slot_mapping.PARAMS), ("gather", prefill_gather.PARAMS),
+            ("indexer_decode", indexer_decode.PARAMS), ("indexer_prefill", indexer_prefill.PARAMS),
+            ("c128a_combine", combine.PREFILL_COMBINE), ("swa_combine", combine.PREFILL_COMBINE),
+            ("short_context", short_context.PARAMS))
+SECTION_NAMES = tuple(name for name, _ in SECTIONS)
+STEP_SECTIONS = Group("StepSections", [(name, I64) for name in SECTION_NAMES], module=__name__)
+StepSections = STEP_SECTIONS.record
+PARAMS = Params("StepParams", [*SECTIONS, ("sections", STEP_SECTIONS),
+                               ("swa_slot_mapping", PTR), ("is_valid_out", PTR)])
+
+
+@njit(cache=True)
+def cpu_step_validity(swa_slot_mapping, is_valid_out):
+    """The step kernel's own output: ``is_valid_out[t] = swa_slot_mapping[t] >= 0``
+    for every element of ``is_valid_out`` (its sections run after it)."""
+    for t in range(is_valid_out.shape[0]):
+        is_valid_out[t] = swa_slot_mapping[t] >= 0
+
+
+#: Fused: every step-level output of both builders in one launch, a section per family.
+FAMILY = KernelFamily("step.cuh", "step_metadata", PARAMS, (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
+CPU_KERNEL = cpu_step_validity
+FAMILIES = (FAMILY,)
 
 
 def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None = None,
@@ -17,17 +48,24 @@ def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None 
     slot-mapping dtypes. With an SWA section, its rows' validity comes from
     ``swa_slot_mapping`` (``>= 0``), written to ``is_valid_out`` (rows of the
     step's tokens)."""
-    unknown = set(sections) - set(STEP_SECTION_NAMES)
+    unknown = set(sections) - set(SECTION_NAMES)
     if unknown:
         raise KeyError(f"step_launch: no step-kernel section named {sorted(unknown)}")
     inputs, ends, total = {}, {}, 0
-    for name, layout in STEP_SECTIONS_OF:
+    for name, layout in SECTIONS:
         section = sections.get(name)
         total += section.blocks if section is not None else 0
         ends[name] = total
         inputs[name] = section if section is not None else layout.off
-    inputs.update(sections=STEP_SECTIONS.record(**ends),
+    inputs.update(sections=StepSections(**ends),
                   swa_slot_mapping=NoArray(INT64) if swa_slot_mapping is None else swa_slot_mapping,
                   is_valid_out=NoArray(BOOL) if is_valid_out is None else is_valid_out)
-    return Launch(families.STEP, total, inputs, variant=variant, kernel=cpu.step_validity,
-                  parts=tuple(sections[name] for name in STEP_SECTION_NAMES if name in sections))
+    return Launch(FAMILY, total, inputs, variant=variant, kernel=cpu_step_validity,
+                  parts=tuple(sections[name] for name in SECTION_NAMES if name in sections))
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    for slots in (tiny.out32, tiny.out64):
+        yield (f"step_validity[s{slots.dtype.itemsize * 8}]",
+               step_launch({}, {}, slots, tiny.valid))

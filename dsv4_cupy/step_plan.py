@@ -9,7 +9,7 @@ import numpy as np
 
 from . import checks, host
 from .combine import PlanChunk
-from .families import SLOT_MAPPING_AXIS
+from .family import SLOT_MAPPING_AXIS
 from .group import Split, StepArrays
 from .kinds import HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
 from .metadata import CommonAttentionMetadata

@@ -1,13 +1,63 @@
 """``compute_swa_indices_and_lens``: the sliding-window (SWA) rows of a step's tokens."""
 from __future__ import annotations
 
-from . import checks, cpu, families, geometry, validation
+import numpy as np
+from numba import prange
+
+from . import checks, geometry, validation
+from .cpu import ParallelKernel
+from .family import ROW_LANES_AXIS, ROW_THREADS_AXIS, SWA_BLOCK_AXIS, SWA_WINDOW_AXIS, KernelFamily
+from .geometry import row_block_threads
 from .kinds import BOOL, INT32, Operand, probe_all
 from .launch import Launch, table_of
-from .params import QueryLayout
+from .params import BLOCK_TABLE, I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
 from .spec import MAX_BLOCK_SIZE
+
+PARAMS = Params("SwaParams", [
+    ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("token_to_req", PTR),
+    ("is_valid_token", PTR), ("indices", PTR), ("lens", PTR), ("indices_stride", I64),
+    ("window_size", I64), ("block_size", I64), ("token_offset", I64), ("num_rows", I64),
+    ("guess_shift", I64)])
+
+
+@ParallelKernel
+def cpu_swa_indices_and_lens(query, table, token_to_req, is_valid_token, indices, lens,
+                         indices_stride, window_size, block_size, token_offset, num_rows):
+    """Row i (token i + token_offset): the SWA slots of the last min(p + 1, W)
+    positions, -1 after; an invalid token, a request outside the table or
+    seq_lens, or p < 0 gives an all -1 row and length 0; positions past the
+    table row's blocks are -1 and not counted."""
+    qsl, seq_lens, num_reqs = query
+    entries, table_rows, table_cols, table_stride = table
+    for i in prange(num_rows):
+        t = i + token_offset
+        b = np.int64(token_to_req[t])
+        start = np.int64(0)
+        count = np.int64(0)
+        if is_valid_token[t] and 0 <= b < num_reqs and b < table_rows:
+            qs = np.int64(qsl[b])
+            position = np.int64(seq_lens[b]) - (np.int64(qsl[b + 1]) - qs) + (t - qs)
+            if position >= 0:
+                start = max(position - window_size + 1, 0)
+                count = max(min(position + 1 - start, table_cols * block_size - start), 0)
+        row = i * indices_stride
+        for k in range(count):
+            at = start + k
+            indices[row + k] = np.int32(
+                entries[b * table_stride + at // block_size] * block_size + at % block_size)
+        indices[row + count:row + window_size] = -1
+        lens[i] = count
+
+
+FAMILY = KernelFamily("swa.cuh", "swa_indices_and_lens", PARAMS,
+                      (SWA_WINDOW_AXIS, SWA_BLOCK_AXIS, ROW_LANES_AXIS, ROW_THREADS_AXIS),
+                      where=lambda window, block_size, lanes, threads: (
+                          threads == row_block_threads(lanes)),
+                      threads_axis="threads")
+CPU_KERNEL = cpu_swa_indices_and_lens
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("compute_swa_indices_and_lens")
 
@@ -113,17 +163,23 @@ def swa_launch(query: QueryLayout, table: Operand, token_to_req: Operand,
         threads = geometry.row_block_threads(lanes)
         # The compiled-in window's 32-bit positions need the table's span under the limit.
         fits = table.shape[1] * block_size + window_size <= geometry.POSITION_LIMIT
-        family = families.SWA
+        family = FAMILY
         variant = {"window": family.compiled_in("window", window_size) if fits
                    else geometry.RUN_TIME,
                    "block_size": family.compiled_in("block_size", block_size), "lanes": lanes,
                    "threads": threads}
         blocks = geometry.row_lane_blocks(num_rows, lanes, threads)
     return Launch(
-        families.SWA, blocks,
+        FAMILY, blocks,
         dict(query=query, table=table_of(table), token_to_req=token_to_req,
              is_valid_token=is_valid_token, indices=indices, lens=lens,
              indices_stride=checks.row_stride(indices), window_size=window_size,
              block_size=block_size, token_offset=token_offset, num_rows=num_rows,
              guess_shift=geometry.request_guess_shift(num_tokens, query.num_reqs)),
-        variant=variant, kernel=cpu.swa_indices_and_lens)
+        variant=variant, kernel=cpu_swa_indices_and_lens)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    yield "swa_indices_and_lens", swa_launch(tiny.query, tiny.table, tiny.out32, tiny.valid,
+                                             tiny.rows, tiny.out32, 4, 1, 0, 1, 1, -1)

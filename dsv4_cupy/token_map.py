@@ -1,12 +1,32 @@
 """``token_to_req_indices``: the request of every flattened token."""
 from __future__ import annotations
 
-from . import checks, cpu, families, geometry, validation
+from numba import njit
+
+from . import checks, geometry, validation
+from .cpu import request_of
+from .family import KernelFamily
 from .kinds import INT32, Operand, probe_all
 from .launch import Launch, NoArray
-from .params import QueryLayout
+from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
+
+PARAMS = Params("TokenMapParams", [
+    ("query", QUERY_LAYOUT), ("out", PTR), ("num_tokens", I64)])
+
+
+@njit(cache=True)
+def cpu_token_to_req_indices(query, out, num_tokens):
+    qsl, num_reqs = query.query_start_loc, query.num_reqs
+    num_mapped = qsl[num_reqs] if num_reqs > 0 else 0
+    for t in range(num_tokens):
+        out[t] = request_of(qsl, num_reqs, t) if t < num_mapped else 0
+
+
+FAMILY = KernelFamily("token_map.cuh", "token_to_req_indices", PARAMS)
+CPU_KERNEL = cpu_token_to_req_indices
+FAMILIES = (FAMILY,)
 
 _OP = PreparedOp("token_to_req_indices")
 
@@ -54,7 +74,12 @@ def token_to_req_indices(query_start_loc, num_tokens: int, *, out=None, validate
 def token_map_launch(query_start_loc: Operand, num_reqs: int, out: Operand,
                      num_tokens: int) -> Launch:
     """The token map of ``num_tokens`` tokens over ``num_reqs`` requests, into ``out``."""
-    return Launch(families.TOKEN_MAP, geometry.elementwise_blocks(num_tokens),
+    return Launch(FAMILY, geometry.elementwise_blocks(num_tokens),
                   dict(query=QueryLayout(query_start_loc, NoArray(INT32), num_reqs), out=out,
                        num_tokens=num_tokens),
-                  kernel=cpu.token_to_req_indices)
+                  kernel=cpu_token_to_req_indices)
+
+
+def warm_launches(tiny):
+    """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
+    yield "token_to_req_indices", token_map_launch(tiny.qsl, 1, tiny.out32, 1)

@@ -5,6 +5,108 @@
 #pragma once
 #include "common.cuh"
 
+struct C128ARows {               // C128A top-k rows, row stride fixed by the buffers
+    int* global_decode;          // [num_decode_tokens, decode_stride] int32
+    int* decode_lens;            // [num_decode_tokens] int32
+    int* prefill;                // [num_tokens - num_decode_tokens, prefill_stride] int32
+    i64 decode_stride;
+    i64 prefill_stride;
+    i64 width;                   // columns written per row (<= both strides)
+    i64 num_valid_tokens;        // under DCP: tokens t < this are real (-1: use slot_mapping)
+};
+
+struct RowChunks {               // long rows split over several blocks
+    i64 cols_per_block;          // a multiple of 4, so 16-byte stores stay aligned
+    i64 chunks;                  // blocks per row
+    i64 row_blocks;              // blocks given to rows (rows * chunks)
+};
+
+struct C128AParams {
+    const void* positions;       // [num_tokens] int32 or int64 (entry suffix p32/p64)
+    const int* token_to_req;     // [num_decode_tokens] int32
+    const void* slot_mapping;    // [num_decode_tokens] int32 or int64 (s32/s64)
+    BlockTable table;
+    SlotGeometry geometry;
+    C128ARows rows;
+    RowChunks chunks;
+    i64 num_tokens;
+    i64 num_decode_tokens;
+};
+
+// Column e of a C128A row with n addressable rows: -1 past n; a decode row
+// (block_row != nullptr) holds block_row[e / bs] * bs + e % bs, computed in 32
+// bits like vLLM; a prefill row holds e. n never exceeds the row's
+// columns times bs, so the table read stays inside the row.
+template <typename Divisor>
+__device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__ block_row,
+                                           const Divisor& bs) {
+    if (e >= n) return DSV4_PAD_SLOT_ID;
+    if (block_row == nullptr) return e;
+    return (int)((unsigned)block_row[bs.div(e)] * (unsigned)bs.size + (unsigned)bs.mod(e));
+}
+
+// Writes columns [c0, c1) of one C128A row, the block's threads sharing it.
+__device__ __forceinline__ void c128a_fill_columns(int* __restrict__ row, int c0, int c1, int n,
+                                                   const int* __restrict__ block_row,
+                                                   int block_size) {
+    with_block_divisor(block_size, [&](auto bs) {
+        fill_columns(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
+                     [&](int e) { return c128a_value(e, n, block_row, bs); });
+    });
+}
+
+// The piece of the row grid that this block writes: token t, columns [c0, c1).
+struct RowPiece {
+    i64 t;
+    int c0, c1;
+    __device__ __forceinline__ RowPiece(const RowChunks& chunks, i64 width, i64 block) {
+        t = block / chunks.chunks;
+        c0 = (int)((block % chunks.chunks) * chunks.cols_per_block);
+        c1 = (int)min(width, c0 + chunks.cols_per_block);
+    }
+};
+
+// Rows among 0..n-1 that context-parallel rank g.cp_rank owns: rows go to the
+// ranks cp_interleave at a time, round robin (vLLM's get_dcp_local_seq_lens).
+// Because the block size is a multiple of the interleave (checked on the host),
+// the k-th owned row has local slot block_row[k / bs] * bs + k % bs: a rank's
+// decode row is the single-rank formula over its own count.
+__device__ __forceinline__ i64 owned_rows(i64 n, const SlotGeometry& g) {
+    if (g.cp_world_size == 1) return n;
+    const i64 per_rank = n / g.cp_interleave / g.cp_world_size * g.cp_interleave;
+    return per_rank + clamp_i64(n - per_rank * g.cp_world_size - g.cp_rank * g.cp_interleave, 0,
+                            g.cp_interleave);
+}
+
+// One block's piece of the C128A metadata. Decode tokens (t < num_decode_tokens)
+// also write their length once. One rule for what cannot be addressed
+// correctly: a decode token that is not valid (padding: slot < 0, or under
+// DCP t >= num_valid_tokens) or whose request is outside the table gets an
+// all -1 row and length 0, and rows past the table row's blocks are -1 and
+// not counted; nothing is read for them.
+template <typename PosT, typename SlotT>
+__device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT position,
+                                            const SlotT* __restrict__ slot_mapping,
+                                            i64 num_decode_tokens, const BlockTable& table,
+                                            const SlotGeometry& g, const C128ARows& rows) {
+    const i64 t = piece.t;
+    const int n = visible_rows(position, g.ratio, rows.width);
+    if (t < num_decode_tokens) {
+        const bool valid = rows.num_valid_tokens < 0 ? slot_mapping[t] >= 0
+                                                     : t < rows.num_valid_tokens;
+        const bool in_table = req >= 0 && (i64)req < table.rows;
+        const int count = valid && in_table
+            ? (int)min(owned_rows(n, g), table.cols * g.block_size) : 0;
+        const int* block_row = in_table ? table.entries + (i64)req * table.row_stride : nullptr;
+        c128a_fill_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1, count,
+                           count ? block_row : nullptr, (int)g.block_size);
+        if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = count;
+    } else {
+        c128a_fill_columns(rows.prefill + (t - num_decode_tokens) * rows.prefill_stride, piece.c0,
+                           piece.c1, n, nullptr, (int)g.block_size);
+    }
+}
+
 namespace dsv4 {
 // The rows of p, a decode token's request from request_of(t): read from the
 // op's token_to_req, or found by the fused step kernel itself.

@@ -8,6 +8,13 @@
 #include "global_topk.cuh"
 #include "combine.cuh"
 
+struct C4ALayerParams {          // c4a_layer_topk: one launch per C4A layer
+    GlobalTopkParams decode;     // the layer's top-k rows of the decode tokens
+    CombineParams prefill;       // the layer's top-k rows of the chunk's prefill tokens
+    i64 decode_blocks;           // blocks [0, decode_blocks) convert decode rows, the rest combine
+    i64 decode_compact;          // 1: the decode rows' valid entries packed to the front
+};
+
 namespace dsv4 {
 __device__ __forceinline__ void c4a_layer_topk(const C4ALayerParams& p) {
     const i64 block = blockIdx.x;

@@ -12,6 +12,23 @@
 #pragma once
 #include "common.cuh"
 
+struct CombineParams {           // combine_topk_swa_indices
+    QueryLayout query;           // the chunk's query_start_loc (any first value) and seq_lens
+    const int* gather_lens;      // [num_reqs] int32
+    const int* topk_indices;     // [num_tokens, topk_stride] int32, read below topk only
+    int* out;                    // [num_tokens, out_stride] int32, width columns written
+    int* lens;                   // [num_tokens] int32
+    i64 topk_stride;
+    i64 out_stride;
+    i64 width;                   // C = round_up(topk + window_size, 128)
+    i64 num_tokens;
+    i64 window_size;
+    i64 ratio;                   // compress ratio (>= 1 when topk > 0)
+    i64 topk;
+    i64 rows_per_request;        // M: workspace rows per request
+    i64 swa_offset;              // N: workspace row of a request's first SWA token
+};
+
 namespace dsv4 {
 // A row's values are int32, so they are computed in 32 bits: the low 32 bits
 // of the 64-bit sums (what the CPU path's wrap keeps), and N <= M < 2^31

@@ -26,6 +26,20 @@
 #pragma once
 #include "common.cuh"
 
+struct GlobalTopkParams {        // compute_global_topk_indices_and_lens
+    BlockTable table;            // the C4A group's block table
+    const int* topk_indices;     // [num_tokens, topk_stride] int32, request-local rows (may be out)
+    const int* token_to_req;     // [num_tokens] int32
+    const void* is_valid_token;  // [num_tokens] bool (one byte each)
+    int* out;                    // [num_tokens, out_stride] int32, width columns written
+    int* lens;                   // [num_tokens] int32
+    i64 topk_stride;
+    i64 out_stride;
+    i64 width;                   // K, columns of topk_indices read and of out written
+    i64 num_tokens;
+    i64 block_size;              // compressed rows per cache block (64 for C4A)
+};
+
 namespace dsv4 {
 constexpr int kGroupSlices = 4;                    // entries per thread per group
 constexpr int kWarps = DSV4_THREADS / DSV4_WARP_LANES;

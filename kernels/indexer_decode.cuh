@@ -10,6 +10,19 @@
 #pragma once
 #include "common.cuh"
 
+struct IndexerDecodeParams {     // build_indexer_decode_metadata
+    QueryLayout query;
+    BlockTable table;            // rows >= num_reqs
+    int* context_lens;           // [context_lens_len] int32, zero past num_tokens
+    int* req_ids;                // [num_tokens] int32
+    int* decode_lens;            // [num_tokens] int32
+    int* block_rows;             // [num_tokens, block_rows_stride] int32, table.cols written
+    i64 block_rows_stride;
+    i64 num_tokens;
+    i64 context_lens_len;
+    i64 ratio;
+};
+
 namespace dsv4 {
 __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParams& p,
                                                         const Blocks& blocks = whole_grid()) {

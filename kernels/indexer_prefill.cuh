@@ -10,6 +10,18 @@
 #pragma once
 #include "common.cuh"
 
+struct IndexerPrefillParams {    // build_indexer_prefill_chunk_metadata
+    QueryLayout query;           // the chunk's query_start_loc (any first value) and seq_lens
+    int* cu_compressed;          // [num_reqs + 1] int32
+    int* token_to_seq;           // [num_compressed] int32, -1 past the true total
+    int* seqlen_ks;              // [query_slice_stop - query_slice_start] int32
+    int* seqlen_ke;              // [query_slice_stop - query_slice_start] int32
+    i64 num_compressed;
+    i64 ratio;
+    i64 query_slice_start;
+    i64 query_slice_stop;
+};
+
 namespace dsv4 {
 __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPrefillParams& p,
                                                                const Blocks& blocks = whole_grid()) {

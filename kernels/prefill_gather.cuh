@@ -4,6 +4,14 @@
 #pragma once
 #include "common.cuh"
 
+struct PrefillGatherParams {     // compute_prefill_gather_lens
+    QueryLayout query;           // num_reqs >= num_decodes + num_prefills
+    int* out;                    // [num_prefills] int32
+    i64 num_decodes;
+    i64 num_prefills;
+    i64 window_size;
+};
+
 namespace dsv4 {
 __device__ __forceinline__ void prefill_gather_lens(const PrefillGatherParams& p,
                                                     const Blocks& blocks = whole_grid()) {

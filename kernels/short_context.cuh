@@ -4,6 +4,15 @@
 #pragma once
 #include "common.cuh"
 
+struct ShortContextParams {      // fill_short_context_topk_indices
+    const void* positions;       // [num_tokens] int32 or int64 (entry suffix p32/p64)
+    int* out;                    // [num_tokens, out_stride] int32, top_k columns written
+    i64 out_stride;
+    i64 top_k;
+    i64 ratio;
+    i64 num_tokens;
+};
+
 namespace dsv4 {
 struct ShortContextRow {
     int n;

@@ -7,6 +7,17 @@
 #pragma once
 #include "common.cuh"
 
+struct SlotMappingParams {
+    QueryLayout query;
+    BlockTable table;
+    SlotGeometry geometry;
+    const void* token_slots;     // [num_tokens] int32 or int64 (s32/s64) tokens' own slots,
+                                 // or null; used when cp_world_size is 1
+    long long* out;              // [out_len] int64, all of it written
+    i64 out_len;
+    i64 num_tokens;              // tokens that may get a slot (the rest of out is -1)
+};
+
 namespace dsv4 {
 template <typename SlotT>
 __device__ __forceinline__ void compressed_slot_mapping(const SlotMappingParams& p,

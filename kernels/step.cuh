@@ -21,6 +21,52 @@
 #include "combine.cuh"
 #include "short_context.cuh"
 
+struct PrefillPlan {             // a prefill chunk plan (get_prefill_chunk_plan), chunks <= max
+    i64 chunks;
+    int first_request[DSV4_MAX_PLAN_CHUNKS];     // chunk c: [first_request[c], first_request[c + 1])
+    int rows_per_request[DSV4_MAX_PLAN_CHUNKS];  // M of chunk c
+    int swa_offset[DSV4_MAX_PLAN_CHUNKS];        // N of chunk c
+};
+
+struct PrefillCombineParams {    // combined prefill rows of a layer type, once per step
+    CombineParams rows;          // the prefill requests; gather_lens null (computed)
+    i64 lanes;                   // threads per row: DSV4_WARP_LANES or DSV4_THREADS (geometry.combine_lanes)
+    PrefillPlan plan;            // rows_per_request and swa_offset of rows are unused
+};
+
+struct StepSections {            // cumulative block ends, in order; equal ends: section off
+    i64 token_map;
+    i64 group_slots;
+    i64 c128a;
+    i64 swa;
+    i64 c4a_slots;
+    i64 indexer_slots;
+    i64 gather;
+    i64 indexer_decode;
+    i64 indexer_prefill;
+    i64 c128a_combine;
+    i64 swa_combine;
+    i64 short_context;
+};
+
+struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the group builder)
+    TokenMapParams token_map;    // the group's token->request map
+    SlotMappingParams group_slots;   // the group's compressed slot mapping (ratio > 1)
+    C128AParams c128a;           // token_to_req unused (computed from token_map.query)
+    SwaParams swa;               // token_to_req and is_valid_token unused (computed)
+    SlotMappingParams c4a_slots;
+    SlotMappingParams indexer_slots;
+    PrefillGatherParams gather;
+    IndexerDecodeParams indexer_decode;
+    IndexerPrefillParams indexer_prefill;
+    PrefillCombineParams c128a_combine;
+    PrefillCombineParams swa_combine;
+    ShortContextParams short_context;
+    StepSections sections;
+    const void* swa_slot_mapping;  // [num_tokens] int32 or int64 (s32/s64): validity of SWA rows
+    unsigned char* is_valid_out; // [num_tokens] bool: swa_slot_mapping >= 0
+};
+
 namespace dsv4 {
 // Chunk c of a prefill plan holds the requests [first_request[c], first_request[c + 1]).
 __device__ __forceinline__ CombineChunk plan_chunk(const PrefillPlan& plan, i64 request) {

@@ -14,6 +14,22 @@
 #pragma once
 #include "common.cuh"
 
+struct SwaParams {               // compute_swa_indices_and_lens
+    QueryLayout query;           // num_reqs = min(query_start_loc rows, seq_lens length)
+    BlockTable table;            // the SWA group's block table
+    const int* token_to_req;     // [token_offset + num_rows] int32
+    const void* is_valid_token;  // [token_offset + num_rows] bool (one byte each)
+    int* indices;                // [num_rows, indices_stride] int32, window_size columns written
+    int* lens;                   // [num_rows] int32
+    i64 indices_stride;
+    i64 window_size;             // W, columns per row (128)
+    i64 block_size;              // SWA cache rows per block (64)
+    i64 token_offset;            // row i is token i + token_offset
+    i64 num_rows;
+    i64 guess_shift;             // token t's request is guessed as t >> guess_shift
+                                 // (geometry.request_guess_shift)
+};
+
 namespace dsv4 {
 template <typename Divisor>
 struct SwaRow {

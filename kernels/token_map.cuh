@@ -4,6 +4,12 @@
 #pragma once
 #include "common.cuh"
 
+struct TokenMapParams {
+    QueryLayout query;
+    int* out;                    // [num_tokens] int32
+    i64 num_tokens;
+};
+
 namespace dsv4 {
 __device__ __forceinline__ void token_to_req_indices(const TokenMapParams& p,
                                                      const Blocks& blocks = whole_grid()) {

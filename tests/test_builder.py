@@ -9,15 +9,8 @@ import dsv4_cupy as d4
 
 import reference as ref
 from conftest import HOST_KINDS, KINDS, to_numpy
-from helpers import (
-    MAX_TOKENS,
-    POISON,
-    common_metadata,
-    make_batch,
-    make_builder,
-    poison,
-    random_batch,
-)
+from helpers import (MAX_TOKENS, POISON, common_metadata, make_batch, make_builder, poison,
+                     random_batch)
 
 
 def check_build(builder, batch, kind):

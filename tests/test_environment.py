@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import dsv4_cupy as d4
-from dsv4_cupy import device, errors, spec
+from dsv4_cupy import device, errors, families, spec
 
 from conftest import HAS_GPU
 
@@ -64,16 +64,18 @@ def test_demo_runs_on_this_machine():
 
 
 def test_cpu_warmup_covers_every_kernel_and_dtype():
-    """warmup(cpu=True) names every kernel that cpu.KERNELS declares, each dtype
+    """warmup(cpu=True) names every kernel that families.CPU_KERNELS declares, each dtype
     variant once, and leaves no dispatcher (or parallel kernel's twin) uncompiled."""
     from dsv4_cupy import cpu
     done = d4.warmup(gpu=False, cpu=True)
     assert done["gpu"] == [] and len(set(done["cpu"])) == len(done["cpu"])
-    assert {name.split("[")[0] for name in done["cpu"]} == {k.__name__ for k in cpu.KERNELS}
+    names = {kernel.__name__.removeprefix("cpu_") for kernel in families.CPU_KERNELS}
+    assert {name.split("[")[0] for name in done["cpu"]} == names
     variants = {"compressed_slot_mapping": 2, "c128a_topk_metadata": 4,
                 "fill_short_context_topk_indices": 2, "step_validity": 2}   # the API's dtype axes
-    for kernel in cpu.KERNELS:
-        named = [name for name in done["cpu"] if name.split("[")[0] == kernel.__name__]
-        assert len(named) == variants.get(kernel.__name__, 1), kernel.__name__
+    for kernel in families.CPU_KERNELS:
+        name = kernel.__name__.removeprefix("cpu_")
+        named = [entry for entry in done["cpu"] if entry.split("[")[0] == name]
+        assert len(named) == variants.get(name, 1), name
         twins = kernel.variants() if isinstance(kernel, cpu.ParallelKernel) else (kernel,)
         assert all(len(twin.signatures) >= len(named) for twin in twins), kernel.__name__

@@ -9,15 +9,8 @@ import pytest
 import dsv4_cupy as d4
 
 from conftest import HAS_TORCH
-from helpers import (
-    GroupOpsStep,
-    LayerOpsStep,
-    assert_all_equal,
-    group_ops_expected,
-    group_ops_steps,
-    layer_ops_expected,
-    layer_step_inputs,
-)
+from helpers import (GroupOpsStep, LayerOpsStep, assert_all_equal, group_ops_expected,
+                     group_ops_steps, layer_ops_expected, layer_step_inputs)
 
 pytestmark = pytest.mark.gpu
 

@@ -10,27 +10,11 @@ import pytest
 import dsv4_cupy as d4
 
 from conftest import GPU_KINDS, HAS_TORCH, to_kind, to_numpy
-from helpers import (
-    GroupOpsStep,
-    LayerOpsStep,
-    assert_all_equal,
-    assert_chain,
-    builder_results,
-    chain_outputs,
-    chain_step,
-    common_metadata,
-    expected_build,
-    group_ops_expected,
-    group_ops_steps,
-    layer_ops_expected,
-    layer_step_inputs,
-    make_batch,
-    make_step,
-    refill_arrays,
-    refresh_group_step,
-    run_chain,
-    torch_capture,
-)
+from helpers import (GroupOpsStep, LayerOpsStep, assert_all_equal, assert_chain, builder_results,
+                     chain_outputs, chain_step, common_metadata, expected_build,
+                     group_ops_expected, group_ops_steps, layer_ops_expected, layer_step_inputs,
+                     make_batch, make_step, refill_arrays, refresh_group_step, run_chain,
+                     torch_capture)
 
 pytestmark = pytest.mark.gpu
 I32 = np.int32

@@ -7,21 +7,12 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
+from dsv4_cupy import combine, families, global_topk, short_context, swa
 
 from conftest import GPU_KINDS, to_kind, to_numpy
-from helpers import (
-    random_combine_case,
-    random_global_topk_case,
-    random_indexer_prefill_case,
-    random_swa_case,
-    run_combine,
-    run_gather_lens,
-    run_global_topk,
-    run_indexer_decode,
-    run_indexer_prefill,
-    run_short_context,
-    run_swa,
-)
+from helpers import (random_combine_case, random_global_topk_case, random_indexer_prefill_case,
+                     random_swa_case, run_combine, run_gather_lens, run_global_topk,
+                     run_indexer_decode, run_indexer_prefill, run_short_context, run_swa)
 
 CASES_PER_FUNCTION = 300
 I32 = np.int32
@@ -132,10 +123,10 @@ def test_full_size_shapes_gpu_against_cpu(kind):
 
 
 def kernel_dispatchers():
-    """Every numba dispatcher of cpu.KERNELS (both twins of parallel kernels)."""
+    """Every numba dispatcher of families.CPU_KERNELS (both twins of parallel kernels)."""
     from dsv4_cupy import cpu
     found = []
-    for kernel in cpu.KERNELS:
+    for kernel in families.CPU_KERNELS:
         found += kernel.variants() if isinstance(kernel, cpu.ParallelKernel) else [kernel]
     return found
 
@@ -174,8 +165,8 @@ def test_swa_window_compiled_in_up_to_the_32_bit_span(kind, monkeypatch):
     table row's span plus W stays under geometry.POSITION_LIMIT, the run-time
     kernel past it; both agree with the CPU path and the reference on positions
     around the span, the limit and int32's end."""
-    from dsv4_cupy import families, geometry
-    seen = variants_launched(monkeypatch, families.SWA)
+    from dsv4_cupy import geometry
+    seen = variants_launched(monkeypatch, swa.FAMILY)
     block_size = 1 << 23
     limit = geometry.POSITION_LIMIT
     rng = np.random.default_rng(3)
@@ -200,8 +191,8 @@ def test_swa_row_lanes_against_cpu(kind, monkeypatch):
     to the SM count; a warp of 16-byte vectors after), W and block size compiled
     in or not, with padding tokens, bad requests, negative positions and -1
     table entries, against the CPU path and the reference."""
-    from dsv4_cupy import device, families
-    seen = variants_launched(monkeypatch, families.SWA)
+    from dsv4_cupy import device
+    seen = variants_launched(monkeypatch, swa.FAMILY)
     rng = np.random.default_rng(21)
     sms = device.sm_count(0)
     for rows in (1, sms, sms + 1, 700):
@@ -227,8 +218,8 @@ def test_swa_rows_guessing_the_token_s_request(kind, monkeypatch):
     queries of 1, 2, 3 and 4 tokens (guessed right for 1, 2 and 4), a token
     offset, fewer table rows than requests (the guess clamped), bad requests
     and padding, at each lane count, against the CPU path and the reference."""
-    from dsv4_cupy import device, families
-    seen = variants_launched(monkeypatch, families.SWA)
+    from dsv4_cupy import device
+    seen = variants_launched(monkeypatch, swa.FAMILY)
     rng = np.random.default_rng(33)
     for rows in (1, 64, device.sm_count(0) + 1):
         for query_len, offset, missing_table_rows in ((1, 0, 0), (1, 3, 0), (1, 0, 2),
@@ -258,10 +249,10 @@ def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
     compacted (their own kernel), the short-context rows at each lane count
     (four warps for rows up to the SM count, a warp after), width and ratio:
     every variant the ops pick, against the CPU path and the reference."""
-    from dsv4_cupy import device, families
+    from dsv4_cupy import device
     rng = np.random.default_rng(11)
-    topk_seen = variants_launched(monkeypatch, families.GLOBAL_TOPK)
-    compact_seen = variants_launched(monkeypatch, families.GLOBAL_TOPK_COMPACT)
+    topk_seen = variants_launched(monkeypatch, global_topk.FAMILY)
+    compact_seen = variants_launched(monkeypatch, global_topk.COMPACT_FAMILY)
     for width in (512, 1024, 513, 4, 1):
         for rows, block_size in ((1, 64), (40, 64), (40, 3)):
             for compact in (False, True):
@@ -286,7 +277,7 @@ def test_each_compiled_width_and_row_lanes_against_cpu(kind, monkeypatch):
                                                    64, np.asarray(valid))
     assert_same_results(got, want)
     assert set(topk_seen) == {(0, 64, 256)}
-    short_seen = variants_launched(monkeypatch, families.SHORT_CONTEXT)
+    short_seen = variants_launched(monkeypatch, short_context.FAMILY)
     sms = device.sm_count(0)
     for rows in (1, sms, sms + 1, 700):
         for top_k in (512, 1024, 100):
@@ -330,8 +321,7 @@ def test_each_compiled_combined_width_against_cpu(kind, requests, monkeypatch):
     kernel, a block per row for wide rows (C128A's), for a chunk of one request
     (no search) and of several, with padding rows and a query layout not
     starting at 0, against the CPU path and the reference."""
-    from dsv4_cupy import families
-    seen = variants_launched(monkeypatch, families.COMBINE)
+    seen = variants_launched(monkeypatch, combine.FAMILY)
     rng = np.random.default_rng(40 + requests)
     query_lens = rng.integers(1, 40, requests)
     seq = (query_lens + rng.integers(0, 3000, requests)).tolist()

@@ -7,14 +7,8 @@ import pytest
 import dsv4_cupy as d4
 
 from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
-from helpers import (
-    POISON,
-    check_c128a,
-    check_slot_mapping,
-    common_metadata,
-    make_batch,
-    make_builder,
-)
+from helpers import (POISON, check_c128a, check_slot_mapping, common_metadata, make_batch,
+                     make_builder)
 
 I32, I64 = np.int32, np.int64
 
@@ -192,10 +186,9 @@ def test_decode_threshold_is_one_plus_speculative_tokens():
 def test_no_compile_on_the_serving_path_cpu(monkeypatch):
     """§4.6: JIT compiles in the serving loop. After warmup(cpu=True) a build
     compiles nothing: numba's dispatchers gain no new signature."""
-    from dsv4_cupy import cpu
+    from dsv4_cupy import c128a, slot_mapping, token_map
     d4.warmup(gpu=False, cpu=True)
-    dispatchers = (cpu.token_to_req_indices, cpu.compressed_slot_mapping,
-                   *cpu.c128a_topk_metadata.variants())
+    dispatchers = (token_map.CPU_KERNEL, slot_mapping.CPU_KERNEL, *c128a.CPU_KERNEL.variants())
     before = [len(f.signatures) for f in dispatchers]
     builder = make_builder("numpy", 128, 1 << 16)
     batch = make_batch([1, 2, 40], [100, 5000, 0], threshold=2)

@@ -183,9 +183,9 @@ def test_a_plan_longer_than_a_launch_carries_equals_the_ops(kind, monkeypatch):
     launches = count_launches(monkeypatch)
     got = builder.build(0, cms)
     chunks = max(len(got.c128a_prefill_chunks), len(got.swa_prefill_chunks))
-    assert chunks > d4.params.MAX_PLAN_CHUNKS
+    assert chunks > d4.geometry.MAX_PLAN_CHUNKS
     if kind in GPU_KINDS:
-        assert len(launches) == -(-chunks // d4.params.MAX_PLAN_CHUNKS)
+        assert len(launches) == -(-chunks // d4.geometry.MAX_PLAN_CHUNKS)
     assert_equal(got, composition(cms, builder))
 
 
@@ -323,7 +323,6 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
     last chunk covers the step's padding rows."""
     import struct
 
-    from dsv4_cupy import params
     rng = np.random.default_rng(12)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 4096, combined_prefill=True,
                                                prefill_chunk_size=1, max_num_compressed=1 << 21)
@@ -333,7 +332,7 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
     nr, npf, nd, ntp = plan.split
     host_qsl = cms["c128a"].query_start_loc_cpu
     launches = builder._launches(plan, {})
-    layout = params.PREFILL_COMBINE
+    layout = d4.combine.PREFILL_COMBINE
     for name, plan, buffers in (("c128a_combine", got.c128a_prefill_chunks,
                                  builder.c128a_combined_buffers),
                                 ("swa_combine", got.swa_prefill_chunks,
@@ -348,7 +347,7 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
             packed = np.frombuffer(struct.pack("<" + layout.format, *section.values()),
                                    layout.dtype)[0]
             count = int(packed["plan"]["chunks"])
-            assert 0 < count <= params.MAX_PLAN_CHUNKS
+            assert 0 < count <= d4.geometry.MAX_PLAN_CHUNKS
             piece = plan[chunks:chunks + count]
             first = nr + piece[0][0]
             t0 = int(host_qsl[first] - host_qsl[nr])
@@ -365,6 +364,6 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
             chunks += count
         assert chunks == len(plan) and covered == ntp        # padding rows included
     assert len(launches) == -(-max(len(got.c128a_prefill_chunks),
-                                   len(got.swa_prefill_chunks)) // params.MAX_PLAN_CHUNKS) > 1
+                                   len(got.swa_prefill_chunks)) // d4.geometry.MAX_PLAN_CHUNKS) > 1
 
 
