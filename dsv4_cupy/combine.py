@@ -237,20 +237,24 @@ def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices
     gather lengths computed; ``device`` -1 for the CPU. ``lanes``: threads per
     row, a fused kernel's (default ``geometry.combine_lanes``)."""
     width = combined_width(topk, window_size)
-    lanes = geometry.combine_lanes(width) if lanes is None else lanes
-    family = FAMILY
+    variant = {}
+    if lanes is None:       # the family's own entry point (a fused kernel has its own)
+        lanes = geometry.combine_lanes(width)
+        variant = {"width": FAMILY.compiled_in("width", width),
+                   "window": FAMILY.compiled_in("window", window_size), "lanes": lanes}
     return Launch(
-        family, geometry.row_lane_blocks(num_tokens, lanes) if device >= 0 and num_tokens else 0,
-        dict(query=query, gather_lens=NoArray(INT32) if gather_lens is None else gather_lens,
-             topk_indices=NoArray(INT32) if topk_indices is None else topk_indices, out=out,
+        FAMILY, geometry.row_lane_blocks(num_tokens, lanes) if device >= 0 and num_tokens else 0,
+        dict(query=query, gather_lens=_NO_ARRAY if gather_lens is None else gather_lens,
+             topk_indices=_NO_ARRAY if topk_indices is None else topk_indices, out=out,
              lens=lens,
              topk_stride=0 if topk_indices is None else checks.row_stride(topk_indices),
              out_stride=checks.row_stride(out), width=width, num_tokens=num_tokens,
              window_size=window_size, ratio=compress_ratio, topk=topk,
              rows_per_request=rows_per_request, swa_offset=swa_offset),
-        variant={"width": family.compiled_in("width", width),
-                 "window": family.compiled_in("window", window_size), "lanes": lanes},
-        kernel=cpu_combine_topk_swa_indices)
+        variant=variant, kernel=cpu_combine_topk_swa_indices)
+
+
+_NO_ARRAY = NoArray(INT32)
 
 
 class PlanChunk(NamedTuple):

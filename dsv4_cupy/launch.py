@@ -77,15 +77,24 @@ def _field(value):
 
 
 def _flattened(items) -> tuple:
-    """The struct values of named inputs in C order, nested ones flattened."""
+    """The struct values of named inputs in C order, nested ones flattened
+    (ints and arrays, most of the inputs, without a call each)."""
     values = []
     append, extend = values.append, values.extend
     for item in items:
-        field = _field(item)
-        if type(field) is tuple or type(field) is list:
-            extend(field)
+        kind = type(item)
+        if kind is int:
+            append(item)
+        elif kind is Operand:
+            append(item.ptr)
+        elif kind is FrozenLaunch:
+            extend(item.values)
         else:
-            append(field)
+            field = _field(item)
+            if type(field) is tuple or type(field) is list:
+                extend(field)
+            else:
+                append(field)
     return tuple(values)
 
 

@@ -192,8 +192,12 @@ class DeepseekV4StepMetadataBuilder:
         its checks and prepared launch, and returns the same
         ``DeepseekV4StepMetadata`` object.
         """
+        capturing = bool(capturing)
+        layout_key = None
         if self._prepared is not None and isinstance(common_attn_metadata, dict):
-            key = self._step_key(common_attn_metadata, bool(capturing))
+            layout_key = self._layout_key(common_attn_metadata)
+            key = (self._launch_key(common_attn_metadata["c128a"], layout_key, capturing)
+                   if layout_key is not None else None)
             prepared = self._prepared.get(key) if key is not None else None
             if prepared is not None:
                 call, metadata = prepared
@@ -202,7 +206,7 @@ class DeepseekV4StepMetadataBuilder:
                     for holder in (metadata, metadata.c128a):
                         holder.max_query_len, holder.max_seq_len = cm.max_query_len, cm.max_seq_len
                     return metadata
-        return self._build_checked(common_attn_metadata, bool(capturing))
+        return self._build_checked(common_attn_metadata, capturing, layout_key)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: dict) -> DeepseekV4StepMetadata:
         """``build`` for recording inside the caller's CUDA graph (torch's or
@@ -220,7 +224,8 @@ class DeepseekV4StepMetadataBuilder:
                              "group holding the C128A group's query_start_loc and seq_lens "
                              "objects, and max_query_len, max_seq_len ints >= 0 (check_replay "
                              "compares the arrays by their attributes)")
-        metadata = self._build_checked(common_attn_metadata, True)
+        metadata = self._build_checked(common_attn_metadata, True,
+                                       self._layout_key(common_attn_metadata))
         self._captured = (key, cm.num_reqs, cm.num_actual_tokens)
         return metadata
 
@@ -318,9 +323,12 @@ class DeepseekV4StepMetadataBuilder:
             valid_tokens=group.valid_tokens(cm, host_qsl), compressed=compressed, chunks=chunks,
             short_context=self._short_context(cm, capturing))
 
-    def _build_checked(self, common_attn_metadata, capturing: bool) -> DeepseekV4StepMetadata:
+    def _build_checked(self, common_attn_metadata, capturing: bool,
+                       layout_key=None) -> DeepseekV4StepMetadata:
+        """A build that is not a prepared call's: ``layout_key`` is the step's
+        ``_layout_key`` when the caller has it (GPU; None: none, or no layout
+        reuse)."""
         cms = check_group_metadata(common_attn_metadata)
-        layout_key = self._layout_key(cms) if self._prepared is not None else None
         layout = self._layout(cms, layout_key)
         plan = self._plan(cms, layout, capturing)
         metadata = self._metadata(plan)
