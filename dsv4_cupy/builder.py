@@ -45,8 +45,12 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
     device : int, optional
         CUDA device for GPU buffers (default: the current one).
     validate : "default" or "full"
-        "full" makes every build also check the step's data (a sync on GPU):
-        query layout, ``seq_len >= query_len``, decodes before prefills,
+        "default" checks what the host knows (kinds, dtypes, shapes, counts)
+        and never reads device memory: data out of range is contained, not
+        reported (a ``seq_len`` past ``max_model_len`` gets C128A rows cut at
+        what the width and block table cover). "full" makes every build also
+        check the step's data (a sync on GPU): query layout, ``seq_len >=
+        query_len``, ``seq_len <= max_model_len``, decodes before prefills,
         request ids and block columns inside the table and, with
         ``num_cache_blocks``, block ids inside the cache. For debugging.
 

@@ -209,6 +209,9 @@ class KVCacheGroup:
         if qsl_cpu.kind not in HOST_KINDS:
             raise TypeError("query_start_loc_cpu: expected a host array (numpy or torch CPU), "
                             f"got {describe(cm.query_start_loc_cpu)}")
+        if len(qsl_cpu.shape) == 1 and qsl_cpu.shape[0] < num_reqs + 1:
+            raise ValueError(f"num_reqs: expected at most len(query_start_loc_cpu) - 1 = "
+                             f"{qsl_cpu.shape[0] - 1} requests, got {num_reqs}")
         checks.check(qsl_cpu, (INT32, INT64), 1, min_len=num_reqs + 1)
         table = ops["block_table_tensor"]
         checks.check(table, (INT32,), 2)
@@ -233,6 +236,7 @@ class KVCacheGroup:
         qsl = cm.query_start_loc[:cm.num_reqs + 1]
         validation.decodes_first(step.host_query_start_loc[:cm.num_reqs + 1],
                                  self.decode_threshold)
+        validation.max_lengths(cm.seq_lens, kind, cm.num_reqs, self.max_model_len)
         if self.compress_ratio > 1:
             validation.slot_mapping_inputs(qsl, cm.seq_lens, table, kind,
                                            self.storage_block_size, self.compress_ratio,

@@ -21,7 +21,8 @@ from .slot_mapping import slot_mapping_launch
 from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_kernel import step_launch
-from .step_plan import GROUPS, StepPlan, check_group_metadata, check_groups, prefill_plans
+from .step_plan import (GROUPS, StepPlan, check_group_data, check_group_metadata, check_groups,
+                        prefill_plans)
 from .swa import swa_launch
 
 #: The C128A group's results (its other fields are the caller's arrays).
@@ -89,6 +90,17 @@ class DeepseekV4StepMetadataBuilder:
         ``40 * max_model_len // 4``, vLLM's workspace).
     like, device
         As for ``DeepseekV4MetadataBuilder``.
+    validate : "default" or "full"
+        "default" checks what the host knows (kinds, dtypes, shapes, counts,
+        every group's arrays) and never reads device memory: data out of
+        range is contained, not reported (a ``seq_len`` past ``max_model_len``
+        gets C128A rows cut at what the width and block table cover). "full"
+        makes every build also check the step's data (a sync on GPU): each
+        group's query layout and tables, ``seq_lens <= max_model_len``, the
+        same positions and padding tokens (slot -1) in every group, and, with
+        ``num_cache_blocks``, block ids inside the cache. For debugging.
+    num_cache_blocks : int, optional
+        Blocks of each group's cache (read by full validation only).
     """
 
     def __init__(self, max_model_len: int, max_num_batched_tokens: int, *,
@@ -97,12 +109,14 @@ class DeepseekV4StepMetadataBuilder:
                  num_speculative_tokens: int = 0, treat_short_extends_as_decodes: bool = True,
                  width_policy: str = "active", combined_prefill: bool = False,
                  prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
-                 max_num_compressed: int | None = None, like="numpy", device: int | None = None):
+                 max_num_compressed: int | None = None, like="numpy", device: int | None = None,
+                 validate: str = "default", num_cache_blocks: int | None = None):
         group = self.c128a_group = KVCacheGroup(
             C128A_RATIO, max_model_len, max_num_batched_tokens, block_size=block_size,
             index_topk=index_topk, num_speculative_tokens=num_speculative_tokens,
             treat_short_extends_as_decodes=treat_short_extends_as_decodes,
-            width_policy=width_policy, like=like, device=device)
+            width_policy=width_policy, like=like, device=device, validate=validate,
+            num_cache_blocks=num_cache_blocks)
         self.kind, self.device = group.kind, group.device
         self.max_model_len = group.max_model_len
         self.max_num_batched_tokens = group.max_num_batched_tokens
@@ -147,7 +161,9 @@ class DeepseekV4StepMetadataBuilder:
                      for name, x in buffers.items() if not name.startswith("c128a_group.")}
         self._c4a_geometry = SlotGeometry(block_size=self.c4a_block_size, ratio=C4A_RATIO,
                                           cp_world_size=1, cp_rank=0, cp_interleave=1)
-        self._prepared = PreparedCalls() if self.kind in GPU_KINDS else None
+        # Steps whose checks are reused (GPU, default validation): see build().
+        self._prepared = (PreparedCalls() if self.kind in GPU_KINDS
+                          and not group.full_validation else None)
         self._captured = None
         self._views = keys.ViewCache(MAX_CACHED_VIEWS)
         # Steps that took the full path, by _layout_key(cms) (GPU): StepLayout.
@@ -304,6 +320,11 @@ class DeepseekV4StepMetadataBuilder:
         group, cm = self.c128a_group, cms["c128a"]
         host_qsl = layout.arrays.host_query_start_loc
         split = group.split(cm, host_qsl, group.prefilling(cm))
+        if group.full_validation:
+            group.check_step_data(cm, layout.arrays, split)
+            check_group_data(cms, self.kind, c4a_block_size=self.c4a_block_size,
+                             swa_block_size=self.swa_block_size,
+                             num_cache_blocks=group.num_cache_blocks)
         if layout.tables["indexer"].shape[0] < split.num_decodes:
             raise ValueError(f"common_attn_metadata['indexer'].block_table_tensor: expected a "
                              f"row for each of the {split.num_decodes} decode requests, got "

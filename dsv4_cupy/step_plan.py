@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checks, host
+from . import checks, host, validation
 from .combine import PlanChunk
-from .family import SLOT_MAPPING_AXIS
+from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .group import Split, StepArrays
 from .kinds import HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
 from .metadata import CommonAttentionMetadata
@@ -67,9 +67,12 @@ def check_group_metadata(common_attn_metadata) -> dict:
 def check_groups(cms: dict, arrays: StepArrays, kind: str, device: int, like,
                  max_blocks: int) -> tuple[dict, Operand]:
     """The other groups' arrays: the C128A group's query layout, their own
-    tables and the SWA group's slot mapping. Returns ``({group: probed
-    block table}, probed SWA slot mapping)``."""
+    tables, slot mappings and positions (kind, dtype, length; the SWA group's
+    slot mapping is read, for its tokens' validity). Returns ``({group:
+    probed block table}, probed SWA slot mapping)``; ``check_group_data``
+    compares their values under full validation."""
     cm128, ops128 = cms["c128a"], arrays.ops
+    num_tokens = arrays.num_tokens
     # Every section reads the shared layout of every request.
     checks.check(ops128["seq_lens"], (INT32,), 1, min_len=cm128.num_reqs)
     tables = {"c128a": ops128["block_table_tensor"]}
@@ -81,39 +84,44 @@ def check_groups(cms: dict, arrays: StepArrays, kind: str, device: int, like,
                              f"(num_reqs={cm128.num_reqs}, num_actual_tokens="
                              f"{cm128.num_actual_tokens}), got ({cm.num_reqs}, "
                              f"{cm.num_actual_tokens})")
-        # Only the SWA group's slot mapping is read (its tokens' validity); the
-        # compressed slot mappings come from the block tables. The query
-        # layout is the C128A group's: the same objects need no second look.
+        # The query layout is the C128A group's: the same objects need no second look.
         layout = [name for name in ("query_start_loc", "seq_lens")
                   if getattr(cm, name) is not getattr(cm128, name)]
-        if cm.block_table_tensor is None:
-            raise TypeError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
-                            f"an int32 array [num_reqs, max_blocks], got None")
+        for name in ("block_table_tensor", "slot_mapping"):
+            if getattr(cm, name) is None:
+                raise TypeError(f"common_attn_metadata[{group!r}].{name}: expected an array, "
+                                f"got None")
+        positions = cm.positions if cm.positions is not cm128.positions else None
+        owner = f"common_attn_metadata[{group!r}]"
         group_kind, group_device, ops = probe_all({
-            **{f"{group}.{name}": getattr(cm, name) for name in layout},
-            f"{group}.block_table_tensor": cm.block_table_tensor,
-            f"{group}.slot_mapping": cm.slot_mapping if group == "swa" else None})
+            **{f"{owner}.{name}": getattr(cm, name) for name in layout},
+            f"{owner}.block_table_tensor": cm.block_table_tensor,
+            f"{owner}.slot_mapping": cm.slot_mapping, f"{owner}.positions": positions})
         if (group_kind, group_device) != (kind, device):
             raise TypeError(f"common_attn_metadata[{group!r}]: expected arrays like the "
                             f"builder's buffers ({describe(like)}), "
                             f"got {describe(cm.block_table_tensor)}")
         for name in layout:
-            mine, shared = ops[f"{group}.{name}"], ops128[name]
+            mine, shared = ops[f"{owner}.{name}"], ops128[name]
             if (mine.ptr, mine.shape, mine.strides, mine.dtype) != \
                     (shared.ptr, shared.shape, shared.strides, shared.dtype):
                 raise ValueError(f"common_attn_metadata[{group!r}].{name}: expected the "
                                  f"array the C128A group has (the groups share the query "
                                  f"layout)")
-        table = ops[f"{group}.block_table_tensor"]
+        table = ops[f"{owner}.block_table_tensor"]
         checks.check(table, (INT32,), 2)
         if table.shape[0] > cm.num_reqs:
             raise ValueError(f"common_attn_metadata[{group!r}].block_table_tensor: expected "
                              f"at most num_reqs ({cm.num_reqs}) rows, got shape "
                              f"{tuple(table.shape)}")
         tables[group] = table
+        checks.check(ops[f"{owner}.slot_mapping"], SLOT_MAPPING_AXIS.values, 1,
+                     min_len=num_tokens)
+        if positions is not None:
+            checks.check(ops[f"{owner}.positions"], POSITIONS_AXIS.values, 1,
+                         min_len=num_tokens)
         if group == "swa":
-            swa_slots = ops["swa.slot_mapping"]
-    checks.check(swa_slots, SLOT_MAPPING_AXIS.values, 1, min_len=cm128.num_actual_tokens)
+            swa_slots = ops[f"{owner}.slot_mapping"]
     if swa_slots.dtype != ops128["slot_mapping"].dtype:
         raise TypeError(f"common_attn_metadata['swa'].slot_mapping: expected the C128A "
                         f"group's dtype {ops128['slot_mapping'].dtype}, got {swa_slots.dtype}")
@@ -122,6 +130,56 @@ def check_groups(cms: dict, arrays: StepArrays, kind: str, device: int, like,
                          f"most {max_blocks} columns (cdiv(max_model_len, block_size)),"
                          f" got shape {tuple(tables['indexer'].shape)}")
     return tables, swa_slots
+
+
+def check_group_data(cms: dict, kind: str, *, c4a_block_size: int, swa_block_size: int,
+                     num_cache_blocks: int | None) -> None:
+    """``validate="full"``: the other groups' data (reads device arrays; the
+    C128A group's is ``KVCacheGroup.check_step_data``'s). Their compressed
+    slots' blocks lie inside their tables (and the cache), the SWA table
+    covers each sequence, every group's positions equal the C128A group's,
+    and every group marks the same tokens as padding (slot -1)."""
+    cm128 = cms["c128a"]
+    T = cm128.num_actual_tokens
+    qsl = cm128.query_start_loc[:cm128.num_reqs + 1]
+    for group in ("c4a", "indexer"):
+        table = cms[group].block_table_tensor
+        _naming(f"common_attn_metadata[{group!r}]", validation.slot_mapping_inputs, qsl,
+                cm128.seq_lens, table, kind, c4a_block_size, C4A_RATIO, 1, num_cache_blocks, T)
+    table = cms["swa"].block_table_tensor
+    rows = table.shape[0]
+    seq = host.host_copy(cm128.seq_lens, kind)[:rows].astype(np.int64)
+    _naming("common_attn_metadata['swa']", validation.block_columns, table, kind,
+            np.arange(rows), seq, swa_block_size, None, "request")
+    padding = host.host_copy(cm128.slot_mapping, kind)[:T] < 0
+    positions = (host.host_copy(cm128.positions, kind)[:T]
+                 if cm128.positions is not None else None)
+    for group in ("swa", "c4a", "indexer"):
+        cm = cms[group]
+        mine = host.host_copy(cm.slot_mapping, kind)[:T] < 0
+        if (mine != padding).any():
+            t = int(np.flatnonzero(mine != padding)[0])
+            raise ValueError(f"common_attn_metadata[{group!r}].slot_mapping: expected the "
+                             f"padding tokens (slot -1) of the C128A group's, got token {t} "
+                             f"{'padding' if mine[t] else 'valid'} here and "
+                             f"{'padding' if padding[t] else 'valid'} there")
+        if cm.positions is None or cm.positions is cm128.positions:
+            continue
+        theirs = host.host_copy(cm.positions, kind)[:T]
+        if positions is None or (theirs != positions).any():
+            t = 0 if positions is None else int(np.flatnonzero(theirs != positions)[0])
+            raise ValueError(f"common_attn_metadata[{group!r}].positions: expected the C128A "
+                             f"group's positions, got {int(theirs[t])} at token {t}" +
+                             ("" if positions is None else f" where it has {int(positions[t])}"))
+
+
+def _naming(owner: str, check, *args) -> None:
+    """Run a check of ``validation``, its error naming the group's array."""
+    try:
+        check(*args)
+    except ValueError as error:
+        message = str(error).replace("block_table:", "block_table_tensor:", 1)
+        raise ValueError(f"{owner}.{message}") from None
 
 
 def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,

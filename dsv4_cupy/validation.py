@@ -63,6 +63,15 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
                              f"< query_len {int(steps[b])} for request {b}")
 
 
+def max_lengths(seq_lens, kind: str, num_reqs: int, max_model_len: int) -> None:
+    """No sequence longer than ``max_model_len``."""
+    seq = _host_int64(seq_lens, kind)[:num_reqs]
+    if (seq > max_model_len).any():
+        b = _first(seq > max_model_len)
+        raise ValueError(f"seq_lens: expected at most max_model_len ({max_model_len}), got "
+                         f"{int(seq[b])} for request {b}")
+
+
 def _host_int64(x, kind: str) -> np.ndarray:
     return host.host_copy(x, kind).astype(np.int64)
 

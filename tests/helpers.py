@@ -648,12 +648,13 @@ def make_step(rng, decodes, prefill_lens, pad=0, short=False, kind="numpy", deco
     tokens = int(qsl[-1]) + pad
     positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
                                [rng.integers(-5, 9, pad)]).astype(I32 if short else I64)
+    padding = rng.random(tokens) < 0.05        # every group's tokens of slot -1
+    padding[int(qsl[-1]):] = True
     groups = {}
     for group, block in (("swa", 64), ("c4a", 256), ("indexer", 256), ("c128a", 256)):
         table = rng.integers(0, 1 << 16, (len(query), -(-max_model_len // block)), dtype=I32)
         slots = rng.integers(0, 1 << 20, tokens).astype(I64)
-        slots[int(qsl[-1]):] = -1
-        slots[rng.random(tokens) < 0.05] = -1
+        slots[padding] = -1
         groups[group] = d4.CommonAttentionMetadata(
             query_start_loc=None, query_start_loc_cpu=qsl.copy(), seq_lens=None,
             block_table_tensor=to_kind(table, kind), slot_mapping=to_kind(slots, kind),

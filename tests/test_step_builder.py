@@ -224,7 +224,7 @@ def test_bad_steps_are_refused_naming_the_group():
         builder.build(0, cms)
     cms = make_step(rng, 2, [30])
     cms["c4a"].block_table_tensor = None
-    with pytest.raises(TypeError, match=r"\['c4a'\].block_table_tensor: expected an int32"):
+    with pytest.raises(TypeError, match=r"\['c4a'\].block_table_tensor: expected an array"):
         builder.build(0, cms)
     cms = make_step(rng, 2, [30])
     cms["c128a"].seq_lens_cpu = None
@@ -240,6 +240,129 @@ def test_bad_steps_are_refused_naming_the_group():
         builder.build(0, cms)
     for old, new in zip(before, builder.buffers().values()):
         np.testing.assert_array_equal(old, new)
+
+
+def _refused(builder, cms, error, match):
+    """The build raises ``error`` matching ``match`` and leaves every buffer as it was."""
+    before = [to_numpy(b).copy() for b in builder.buffers().values()]
+    with pytest.raises(error, match=match):
+        builder.build(0, cms)
+    for old, new in zip(before, builder.buffers().values()):
+        np.testing.assert_array_equal(old, to_numpy(new))
+
+
+@pytest.mark.parametrize("group", ["swa", "c4a", "indexer"])
+def test_every_groups_slot_mapping_and_positions_are_checked(group):
+    rng = np.random.default_rng(2)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC)
+    poison(builder)
+    for field, value, error, match in (
+            ("slot_mapping", "abc", TypeError, "expected a numpy, cupy or torch array"),
+            ("slot_mapping", None, TypeError, "expected an array, got None"),
+            ("slot_mapping", np.zeros(5, np.float32), TypeError, "expected dtype int32 or int64"),
+            ("slot_mapping", np.zeros(3, I64), ValueError, "expected at least"),
+            ("positions", "abc", TypeError, "expected a numpy, cupy or torch array"),
+            ("positions", np.zeros(40, np.float64), TypeError, "expected dtype int32 or int64"),
+            ("positions", np.zeros((40, 2), I64), ValueError, "expected a 1-D array"),
+            ("positions", np.zeros(3, I64), ValueError, "expected at least")):
+        cms = make_step(rng, 2, [30])
+        setattr(cms[group], field, value)
+        _refused(builder, cms, error, rf"\[{group!r}\]\.{field}: {match}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_validation_refuses_bad_data(kind):
+    """Each bad step refused under ``validate="full"`` before any write; each
+    builds under the default validation (data not read)."""
+    rng = np.random.default_rng(3)
+    builders = {mode: d4.DeepseekV4StepMetadataBuilder(
+        MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC, like=to_kind(np.zeros(1, I32), kind), validate=mode,
+        num_cache_blocks=1 << 16) for mode in ("default", "full")}
+    poison(builders["full"])
+
+    def shared(cms, name, change):
+        value = to_numpy(getattr(cms["c128a"], name)).copy()
+        change(value)
+        value = to_kind(value, kind)
+        for cm in cms.values():
+            setattr(cm, name, value)
+        return cms
+
+    def own(cms, group, name, change):
+        value = to_numpy(getattr(cms[group], name)).copy()
+        change(value)
+        setattr(cms[group], name, to_kind(value, kind))
+        return cms
+
+    def too_long(cms):
+        cms = shared(cms, "seq_lens", lambda seq: seq.__setitem__(1, MAX_MODEL_LEN + 1))
+        for cm in cms.values():
+            cm.max_seq_len = MAX_MODEL_LEN + 1
+        return cms
+
+    def narrow(cms):
+        cms["c4a"].block_table_tensor = to_kind(to_numpy(cms["c4a"].block_table_tensor)[:, :1],
+                                                kind)
+        return cms
+
+    def first_position(positions):
+        positions[0] += 1
+
+    def first_slot_padding(slots):
+        slots[0] = -1
+
+    def first_block_outside(table):
+        table[:] = 1 << 20
+
+    cases = [
+        (lambda cms: shared(cms, "seq_lens", lambda seq: seq.__setitem__(0, -5)),
+         r"seq_lens: expected seq_len >= query_len"),
+        (too_long, r"seq_lens: expected at most max_model_len \(8192\), got 8193 for request 1"),
+        (lambda cms: own(cms, "swa", "positions", first_position),
+         r"\['swa'\]\.positions: expected the C128A group's positions"),
+        (lambda cms: own(cms, "indexer", "slot_mapping", first_slot_padding),
+         r"\['indexer'\]\.slot_mapping: expected the padding tokens"),
+        (narrow, r"\['c4a'\]\.block_table_tensor: request \d+ needs"),
+        (lambda cms: own(cms, "indexer", "block_table_tensor", first_block_outside),
+         r"\['indexer'\]\.block_table_tensor: expected entries in \[0, 65536\)"),
+    ]
+    for make_bad, match in cases:
+        cms = make_bad(make_step(rng, 2, [30, 20], kind=kind))
+        _refused(builders["full"], cms, ValueError, match)
+        builders["default"].build(0, cms)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_validation_builds_what_the_default_builds(kind):
+    rng = np.random.default_rng(4)
+    full = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC,
+                                            like=to_kind(np.zeros(1, I32), kind), validate="full")
+    default = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    for decodes, prefills in ((5, []), (3, [40, 7]), (0, [100])):
+        cms = make_step(rng, decodes, prefills, kind=kind)
+        assert_equal(full.build(0, cms), composition(cms, default))
+
+
+def test_a_sequence_past_max_model_len_is_capped_by_default():
+    """The documented default: C128A rows cut at what the width and table cover."""
+    rng = np.random.default_rng(5)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC)
+    cms = make_step(rng, 4, [], decode_len=1)
+    seq = cms["c128a"].seq_lens.copy()
+    seq[:] = 4 * MAX_MODEL_LEN
+    for cm in cms.values():
+        cm.seq_lens, cm.max_seq_len = seq, int(seq.max())
+        cm.positions = None
+    cms["c128a"].positions = (seq - 1).astype(I64)
+    for cm in cms.values():
+        cm.positions = cms["c128a"].positions
+    lens = builder.build(0, cms).c128a.c128a_decode_topk_lens
+    covered = cms["c128a"].block_table_tensor.shape[1] * builder.c128a_group.storage_block_size
+    np.testing.assert_array_equal(lens, min(builder.c128a_group.capacity, covered))
 
 
 @pytest.mark.gpu
@@ -367,3 +490,14 @@ def test_the_combine_sections_carry_the_plans_rows_and_padding():
                                    len(got.swa_prefill_chunks)) // d4.geometry.MAX_PLAN_CHUNKS) > 1
 
 
+
+
+def test_more_requests_than_the_query_layout_names_num_reqs():
+    rng = np.random.default_rng(6)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC)
+    cms = make_step(rng, 3, [])
+    for cm in cms.values():
+        cm.num_reqs = 5
+    _refused(builder, cms, ValueError,
+             r"num_reqs: expected at most len\(query_start_loc_cpu\) - 1 = 3 requests, got 5")
