@@ -34,12 +34,14 @@ def _twins(kernel) -> tuple:
     return kernel.variants() if isinstance(kernel, cpu.ParallelKernel) else (kernel,)
 
 
-def warm_cpu() -> list[str]:
+def warm_cpu(progress=None) -> list[str]:
     """Compile every kernel of ``families.CPU_KERNELS`` for every signature;
-    returns what was warmed."""
+    returns what was warmed. ``progress(count, name)`` is told of each."""
     tiny, done = tiny_inputs(), []
     for module in families.MODULES:
         for name, launch in module.warm_launches(tiny):
+            if progress is not None:
+                progress(len(done) + 1, name)
             for leaf in launch.cpu_launches():
                 arguments = leaf.cpu_arguments()
                 for twin in _twins(leaf.kernel):

@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an sm_100 device"))
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The skips in one line, by reason (the reasons of -rs, without a line each)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: dict = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.write_line(f"{len(skipped)} skipped: " + "; ".join(
+        f"{count} {reason}" for reason, count in sorted(reasons.items(), key=lambda x: -x[1])))
+
+
 def to_kind(x, kind):
     """numpy -> the array kind under test (a copy on GPU)."""
     if kind == "numpy":

@@ -1,6 +1,7 @@
 """Environment faults give one clear error or warning saying what to do."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -60,7 +61,8 @@ def test_demo_runs_on_this_machine():
     run = subprocess.run([sys.executable, "-m", "dsv4_cupy", "demo", "--max-model-len", "65536"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert "c128a decode indices (128, 1, 512)" in run.stdout
+    assert "split: 64 decodes (128 tokens), 2 prefills (4096 tokens)" in run.stdout
+    assert "C128A: decode rows (128, 1, 512)" in run.stdout
 
 
 def test_cpu_warmup_covers_every_kernel_and_dtype():
@@ -79,3 +81,12 @@ def test_cpu_warmup_covers_every_kernel_and_dtype():
         assert len(named) == variants.get(name, 1), name
         twins = kernel.variants() if isinstance(kernel, cpu.ParallelKernel) else (kernel,)
         assert all(len(twin.signatures) >= len(named) for twin in twins), kernel.__name__
+
+
+def test_warmup_counts_on_stderr_when_asked_and_is_silent_when_not(capsys):
+    d4.warmup(gpu=False, cpu=True, progress=True)
+    err = capsys.readouterr().err
+    assert "\rwarmup: CPU kernels 1 (" in err
+    assert re.search(r"\rwarmup: warmed 0 GPU and \d+ CPU kernels *\n$", err)
+    d4.warmup(gpu=False, cpu=True, progress=False)
+    assert capsys.readouterr().err == ""

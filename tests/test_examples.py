@@ -26,6 +26,17 @@ def test_torch_dlpack():
     run_example("torch_dlpack.py")
 
 
+def test_torch_dlpack_without_torch_says_it_skips():
+    """torch blocked from importing: the example says why it skips and exits 0."""
+    script = ("import runpy, sys; sys.modules['torch'] = None; "
+              f"sys.path.insert(0, {str(EXAMPLES)!r}); "
+              f"runpy.run_path({str(EXAMPLES / 'torch_dlpack.py')!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "torch not installed" in result.stdout and "skipping this example" in result.stdout
+
+
 def test_swa_c4a_step():
     """On the CPU path here; on the GPU (cupy) where there is one."""
     output = run_example("swa_c4a_step.py")

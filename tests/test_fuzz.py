@@ -67,19 +67,36 @@ def test_adversarial_empty_and_all_padding(kind):
         check_c128a(batch, kind, 128)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_adversarial_one_request_of_65536_tokens(kind):
-    batch = make_batch([65536], [(1 << 20) - 65536 - 10], rng=np.random.default_rng(5))
+def check_one_long_request(kind, prefix, width):
+    """One request of 65536 prefill tokens behind ``prefix``: its token map,
+    slots and C128A prefill rows at ``width`` columns, compared a slab of rows
+    at a time (the expected rows stay small)."""
+    batch = make_batch([65536], [prefix], rng=np.random.default_rng(5))
     check_token_map(batch, kind)
     check_slot_mapping(batch, kind)
     gd, lens, pf = d4.build_c128a_topk_metadata(
         to_kind(batch.positions, kind), 128, 0, to_kind(batch.token_map(), kind),
         to_kind(batch.block_table, kind), 2, to_kind(batch.slot_mapping, kind),
-        max_compressed_tokens=8192)
+        max_compressed_tokens=width)
     pf = to_numpy(pf)
-    visible = np.minimum((batch.positions + 1) // 128, 8192)
-    cols = np.arange(8192)
-    np.testing.assert_array_equal(pf, np.where(cols[None] < visible[:, None], cols[None], -1))
+    visible = np.minimum((batch.positions + 1) // 128, width)
+    cols = np.arange(width)
+    for start in range(0, pf.shape[0], 4096):
+        rows = slice(start, start + 4096)
+        np.testing.assert_array_equal(pf[rows], np.where(cols < visible[rows, None], cols, -1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adversarial_one_request_of_65536_tokens(kind):
+    """Positions from 10 to 65545: every row length from 0 to the full width."""
+    check_one_long_request(kind, 10, 512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_adversarial_one_request_of_65536_tokens_at_two_to_the_20(kind):
+    """Positions up to 2^20 - 11 at W = 8192 (2 GB of rows)."""
+    check_one_long_request(kind, (1 << 20) - 65536 - 10, 8192)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -326,10 +326,31 @@ def _read_only(array):
     return array
 
 
-def test_compile_with_a_bad_arch_says_so_once():
-    run = subprocess.run([sys.executable, "-m", "dsv4_cupy", "compile", "--arch", "90"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1 and run.stdout.count("FAILED") == 1
+@pytest.mark.parametrize("argv, flag", [
+    (["compile", "--arch", "90"], "--arch"),
+    (["demo", "--max-model-len", "100"], "--max-model-len"),
+    (["demo", "--max-model-len", "lots"], "--max-model-len"),
+    (["demo", "--device", "tpu"], "--device"),
+])
+def test_a_bad_argument_is_one_argparse_line_naming_the_flag(argv, flag):
+    run = subprocess.run([sys.executable, "-m", "dsv4_cupy", *argv], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert f"error: argument {flag}:" in run.stderr.splitlines()[-1]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
+@pytest.mark.parametrize("argv", [["warmup", "--gpu"], ["demo", "--device", "gpu"]])
+def test_a_library_error_is_one_line_unless_debug(argv):
+    run = subprocess.run([sys.executable, "-m", "dsv4_cupy", *argv], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    line, = run.stderr.strip().splitlines()
+    assert line.startswith(f"python -m dsv4_cupy {argv[0]}: NoGPUError: no usable CUDA device")
+    assert line.endswith("(--debug shows the traceback)")
+    debug = subprocess.run([sys.executable, "-m", "dsv4_cupy", *argv, "--debug"],
+                           capture_output=True, text=True, timeout=300)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")

@@ -306,6 +306,19 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   f"{r['numba_ms']:.1f} ms, NumPy {r['numpy_ms']:.1f} ms, {r['x_numpy']:.1f}x")
 
 
+#: The plot's panels: (title, rows' op filter, our time, the other's time, its label).
+PLOT_PANELS = (
+    ("whole step: one launch vs vLLM's Triton/torch sequence",
+     lambda r: r.get("op") == "step" and "upstream_graph_us" in r,
+     "step_graph_us", "upstream_graph_us", "vLLM's sequence"),
+    ("per-layer ops vs Triton ports of vLLM's kernels",
+     lambda r: "triton_graph_us" in r, "ours_layer_graph_us", "triton_graph_us",
+     "vLLM Triton (port)"),
+    ("C128A metadata vs torch eager", lambda r: r.get("op") == "build",
+     "ours_graph_us", "torch_graph_us", "torch eager"),
+)
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
@@ -313,19 +326,22 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    gpu = [r for r in rows if "ours_graph_us" in r]
-    if not gpu:
+    panels = [(title, [r for r in rows if keep(r)], ours, theirs, label)
+              for title, keep, ours, theirs, label in PLOT_PANELS]
+    panels = [panel for panel in panels if panel[1]]
+    if not panels:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-    for ax, op in zip(axes, ("c128a", "build")):
-        sel = [r for r in gpu if r["op"] == op]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (title, sel, ours, theirs, label) in zip(axes[0], panels):
         x = np.arange(len(sel))
-        ax.bar(x - 0.2, [r["ours_graph_us"] for r in sel], 0.4, label="dsv4_cupy")
-        ax.bar(x + 0.2, [r["torch_graph_us"] for r in sel], 0.4, label="torch eager")
-        ax.set_xticks(x, [r["case"] for r in sel], rotation=70, fontsize=7)
+        ax.bar(x - 0.2, [r[ours] for r in sel], 0.4, label="dsv4_cupy")
+        ax.bar(x + 0.2, [r[theirs] for r in sel], 0.4, label=label)
+        names = [r["case"] if r["op"] in ("step", "build") else f"{r['op']} {r['case']}"
+                 for r in sel]
+        ax.set_xticks(x, names, rotation=70, ha="right", fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("GPU time per call, graph replay (us)")
-        ax.set_title(f"{op} (W = {WIDTH})")
+        ax.set_ylabel("GPU time per call, CUDA-graph replay (us)")
+        ax.set_title(title, fontsize=10)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -335,6 +351,8 @@ def plot(rows: list[dict], path: Path) -> bool:
 def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"bench: results go to {out.resolve() / 'bench.json'} (and bench.png with "
+          f"matplotlib); --out changes the folder", file=sys.stderr)
     rows, meta = [], {}
     if not args.cpu_only:
         from ..device import require_gpu
@@ -342,6 +360,8 @@ def main(args) -> int:
         gpu, meta = gpu_rows(args.quick, not args.no_progress)
         rows += gpu
         print_table(gpu, meta)           # before the CPU case: a failure there keeps these
+    print("bench: the CPU case (numba against NumPy, 16384 tokens at W = 8192; compiles "
+          "the numba kernels on a first run)...", file=sys.stderr)
     cpu = cpu_rows()
     rows += cpu
     print_table(cpu, {})
