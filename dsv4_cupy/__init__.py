@@ -14,8 +14,13 @@ from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingErro
                      UnsupportedDeviceError)
 from .global_topk import compute_global_topk_indices_and_lens
 from .indexer_decode import build_indexer_decode_metadata
+from .indexer_gather import cp_gather_indexer_k_quant_cache
+from .indexer_insert import indexer_k_quant_and_cache
 from .indexer_prefill import build_indexer_prefill_chunk_metadata
+from .k_cache_gather import dequantize_and_gather_k_cache, dequantize_and_gather_prefill_kv
+from .k_cache_insert import quantize_and_insert_k_cache
 from .kinds import to_torch
+from .kv_cache import KVCacheLayout, empty_kv_cache, kv_cache_layout, kv_cache_view
 from .launch import set_programmatic_launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .prefill_gather import compute_prefill_gather_lens
@@ -45,5 +50,8 @@ __all__ = [
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "compute_prefill_gather_lens",
     "get_prefill_chunk_plan", "build_indexer_prefill_chunk_metadata",
     "build_indexer_decode_metadata", "c4a_layer_topk", "build_c128a_combined_prefill_rows",
-    "set_programmatic_launch", "__version__",
+    "set_programmatic_launch", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
+    "dequantize_and_gather_prefill_kv", "indexer_k_quant_and_cache",
+    "cp_gather_indexer_k_quant_cache", "KVCacheLayout", "kv_cache_layout", "kv_cache_view",
+    "empty_kv_cache", "__version__",
 ]

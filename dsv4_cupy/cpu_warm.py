@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import cpu, families
-from .kinds import probe
+from .kinds import NUMPY, probe
+from .kv_cache import check_pages
 from .params import QueryLayout, SlotGeometry
+from .spec import FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, INDEXER_HEAD_DIM, INDEXER_ROW_BYTES
 
 
 def tiny_inputs() -> SimpleNamespace:
@@ -26,7 +28,14 @@ def tiny_inputs() -> SimpleNamespace:
         out32=array("out", [0]), out64=array("out", [0], np.int64), pair=array("cu", [0, 0]),
         rows=array("rows", [[0] * 4]), valid=array("valid", [True], np.bool_),
         geometry=SlotGeometry(block_size=1, ratio=1, cp_world_size=1, cp_rank=0,
-                              cp_interleave=1))
+                              cp_interleave=1),
+        bf16_rows=array("k", [[0] * HEAD_SIZE], np.uint16),
+        bf16_rows_3d=array("out", [[[0] * HEAD_SIZE]], np.uint16),
+        bytes_rows=array("dst", [[0] * INDEXER_HEAD_DIM], np.uint8),
+        pages=check_pages("k_cache", np.zeros((1, FP8_DS_MLA_BYTES_PER_TOKEN), np.uint8),
+                          NUMPY, -1, 1),
+        indexer_pages=check_pages("kv_cache", np.zeros((1, 1, INDEXER_ROW_BYTES), np.uint8),
+                                  NUMPY, -1, None, INDEXER_ROW_BYTES))
 
 
 def _twins(kernel) -> tuple:

@@ -22,6 +22,10 @@ MODULE_NAMES = (
     "indexer_decode",
     "c4a_layer",
     "step_kernel",
+    "k_cache_insert",
+    "k_cache_gather",
+    "indexer_insert",
+    "indexer_gather",
 )
 MODULES = tuple(importlib.import_module(f".{name}", __package__) for name in MODULE_NAMES)
 #: Every kernel family (a module may declare two over one file: the global top-k's rows).

@@ -20,6 +20,8 @@ HOST_KINDS = (NUMPY, TORCH_CPU)
 INT32 = np.dtype(np.int32)
 INT64 = np.dtype(np.int64)
 BOOL = np.dtype(np.bool_)
+#: Bytes (fp8 values, cache pages) and 16-bit words (bf16 values, as their bits).
+UINT8, UINT16 = np.dtype(np.uint8), np.dtype(np.uint16)
 KIND_TEXT = {NUMPY: "a numpy array", TORCH_CPU: "a torch CPU tensor",
              CUPY: "a cupy array", TORCH_CUDA: "a torch CUDA tensor"}
 
@@ -74,7 +76,7 @@ def _torch_dtype(dtype):
                                 torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_),
                                 torch.float16: np.dtype(np.float16),
                                 torch.float32: np.dtype(np.float32),
-                                torch.float64: np.dtype(np.float64)})
+                                torch.float64: np.dtype(np.float64), torch.uint16: UINT16})
         found = _TORCH_TO_NUMPY.get(dtype, str(dtype).replace("torch.", ""))
     return found
 
@@ -134,7 +136,28 @@ def device_of(x, kind: str) -> int:
 
 def _to_torch_dtype(dtype: np.dtype):
     torch = loaded_torch()
-    return {INT32: torch.int32, INT64: torch.int64, BOOL: torch.bool}[np.dtype(dtype)]
+    return {INT32: torch.int32, INT64: torch.int64, BOOL: torch.bool, UINT8: torch.uint8,
+            UINT16: torch.uint16}[np.dtype(dtype)]
+
+
+#: Floating dtypes some arrays hold that the kernels take as bits: bf16 as
+#: uint16, fp8 e4m3fn as uint8 (numpy and cupy know them through ml_dtypes).
+_BITS_OF = {"bfloat16": (UINT16, "uint16"), "float8_e4m3fn": (UINT8, "uint8")}
+
+
+def as_bits(x):
+    """A bf16 or fp8 e4m3fn array as a view of its bits (uint16 or uint8) of
+    the same kind; other arrays and None pass through."""
+    if x is None:
+        return x
+    family = family_of(x)
+    if family is TORCH_FAMILY:
+        name = str(x.dtype).replace("torch.", "")
+        return x.view(getattr(loaded_torch(), _BITS_OF[name][1])) if name in _BITS_OF else x
+    if family is None:
+        return x
+    name = x.dtype.name
+    return x.view(_BITS_OF[name][0]) if name in _BITS_OF else x
 
 
 def probe_all(arrays: dict) -> tuple[str, int, dict]:

@@ -105,7 +105,7 @@ def _argument(value):
     if kind is Operand:
         if len(value.shape) == 1:
             return host.kernel_view(value.array, value.kind)
-        return host.kernel_view_2d(value.array, value.kind)[0]
+        return host.kernel_view_flat(value.array, value.kind)
     if kind is bool or kind is np.bool_:
         return bool(value)
     if kind is NoArray:

@@ -33,7 +33,8 @@ from .errors import KernelCompileError
 from .geometry import (MAX_PLAN_CHUNKS, POSITION_LIMIT, RUN_TIME, THREADS, WARP_LANES,
                        WARP_PIECE)
 from .params import Params
-from .spec import PAD_SLOT_ID
+from .spec import (FP8_E4M3_MAX, FP8_RECORD_BYTES, INDEXER_HEAD_DIM, NOPE_HEAD_DIM,
+                   PAD_SLOT_ID, QUANT_TILE, ROPE_HEAD_DIM, SCALE_RECORD_BYTES)
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 #: Options beyond CuPy's own (which adds -arch, -ftz, its include paths).
@@ -43,7 +44,12 @@ DEFAULT_ARCHS = ("sm_90", "sm_100")
 DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID,
                     "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_WARP_PIECE": WARP_PIECE,
                     "DSV4_RUN_TIME": RUN_TIME, "DSV4_POSITION_LIMIT": POSITION_LIMIT,
-                    "DSV4_WARP_LANES": WARP_LANES}
+                    "DSV4_WARP_LANES": WARP_LANES, "DSV4_NOPE_DIM": NOPE_HEAD_DIM,
+                    "DSV4_ROPE_DIM": ROPE_HEAD_DIM, "DSV4_QUANT_TILE": QUANT_TILE,
+                    "DSV4_FP8_RECORD": FP8_RECORD_BYTES, "DSV4_SCALE_RECORD": SCALE_RECORD_BYTES,
+                    "DSV4_FP8_E4M3_MAX": f"{FP8_E4M3_MAX}f", "DSV4_INDEXER_DIM": INDEXER_HEAD_DIM}
+#: The shared headers (every other .cuh is a family's file).
+SHARED_HEADERS = ("common.cuh", "params.cuh", "fp8.cuh")
 
 
 def kernel_dir() -> Path:
@@ -56,8 +62,7 @@ def kernel_dir() -> Path:
 
 def kernel_files() -> list[str]:
     """The family files (every ``.cuh`` but the shared helpers and structs)."""
-    return sorted(p.name for p in kernel_dir().glob("*.cuh")
-                  if p.name not in ("common.cuh", "params.cuh"))
+    return sorted(p.name for p in kernel_dir().glob("*.cuh") if p.name not in SHARED_HEADERS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +136,9 @@ def compile_source(text: str, file: str, arch: str) -> bytes:
         raise ValueError(f"arch: expected a name like 'sm_90' or 'sm_100a', got {arch!r}")
     devices.nvrtc_version()
     nvrtc = devices.cupy_module().cuda.nvrtc
-    opts = options() + ("-ftz=true", "--device-as-default-execution-space", f"-arch={arch}")
+    # CuPy's include folders (CCCL, the CUDA headers), as its run-time compile has them.
+    opts = devices.cupy_module()._core.core.assemble_cupy_compiler_options(options()) + (
+        "-ftz=true", "--device-as-default-execution-space", f"-arch={arch}")
     program = nvrtc.createProgram(text, f"kernels/{file}", [], [])
     try:
         try:

@@ -21,6 +21,21 @@ ROPE_HEAD_DIM = 64
 HEAD_SIZE = NOPE_HEAD_DIM + ROPE_HEAD_DIM
 #: fp8_ds_mla bytes per token: 448 fp8 NoPE + 64 bf16 RoPE (128 B) + 8 scale bytes.
 FP8_DS_MLA_BYTES_PER_TOKEN = NOPE_HEAD_DIM + 2 * ROPE_HEAD_DIM + 8
+#: The largest finite FP8 E4M3 (e4m3fn) value: what a tile's amax is scaled to.
+FP8_E4M3_MAX = 448.0
+#: An fp8_ds_mla page of B states is block-planar: B records of FP8_RECORD_BYTES
+#: (the NoPE dims as FP8, then the RoPE dims as bf16), then B scale records of
+#: SCALE_RECORD_BYTES (a UE8M0 byte per QUANT_TILE NoPE dims, then a zero pad byte).
+FP8_RECORD_BYTES = NOPE_HEAD_DIM + 2 * ROPE_HEAD_DIM
+SCALE_RECORD_BYTES = FP8_DS_MLA_BYTES_PER_TOKEN - FP8_RECORD_BYTES
+QUANT_TILE = 64
+#: vLLM pads every fp8_ds_mla page (and the indexer's) to a multiple of this.
+PAGE_ALIGNMENT = 576
+#: The indexer's cache: INDEXER_HEAD_DIM FP8 values, then one float32 scale per
+#: row, block-planar too (all values, then all scales).
+INDEXER_HEAD_DIM = 128
+INDEXER_SCALE_BYTES = 4
+INDEXER_ROW_BYTES = INDEXER_HEAD_DIM + INDEXER_SCALE_BYTES
 #: Tokens of DeepSeek-V4's sliding window (the width of its SWA rows).
 SWA_WINDOW_SIZE = 128
 #: Rows per block of the SWA cache.
@@ -121,14 +136,21 @@ def active_width(max_seq_len: int, capacity: int) -> int:
 _CACHE_DTYPES = ("auto", "fp8_ds_mla", "fp8")
 
 
+#: States per block of DeepSeek-V4's fp8_ds_mla caches: the SWA and C4A caches', C128A's.
+CACHE_BLOCK_STATES = (SWA_BLOCK_SIZE, C4A_BLOCK_SIZE, C128A_BLOCK_SIZE)
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                    cache_dtype: str = "auto") -> tuple[int, ...]:
     """Shape of one layer's KV cache: ``(num_blocks, block_size, 584)`` bytes for
     ``"fp8_ds_mla"`` (and its alias ``"fp8"``), else ``(num_blocks, block_size, head_size)``.
 
-    ``num_kv_heads`` is accepted for vLLM signature compatibility (MLA has one
-    latent head). The per-block byte stride of a real cache is padded (page
-    alignment 576): always read it from the cache tensor's ``stride(0)``.
+    ``block_size`` is the cache's states per block (vLLM's kernel block size):
+    64 for the SWA and C4A caches, 2 for C128A's; the logical block (256) is
+    refused for fp8_ds_mla. ``num_kv_heads`` is accepted for vLLM signature
+    compatibility (MLA has one latent head). The per-block byte stride of a
+    real cache is padded (``kv_cache.kv_cache_layout``): always read it from
+    the cache's ``stride(0)``.
     """
     num_blocks = check_int("num_blocks", num_blocks, minimum=0)
     block_size = check_int("block_size", block_size, minimum=1)
@@ -137,6 +159,12 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     if cache_dtype not in _CACHE_DTYPES:
         raise ValueError(f"cache_dtype: expected one of {_CACHE_DTYPES}, got {cache_dtype!r}")
     if cache_dtype in ("fp8_ds_mla", "fp8"):
+        if block_size not in CACHE_BLOCK_STATES:
+            logical = " (the logical block: pass 256 // compress_ratio)" \
+                if block_size == KV_BLOCK_SIZE else ""
+            raise ValueError(f"block_size: expected the states per cache block, "
+                             f"{SWA_BLOCK_SIZE} (SWA and C4A) or {C128A_BLOCK_SIZE} (C128A), "
+                             f"got {block_size}{logical}")
         return (num_blocks, block_size, FP8_DS_MLA_BYTES_PER_TOKEN)
     return (num_blocks, block_size, head_size)
 

@@ -269,3 +269,67 @@ def short_context_inputs(positions, kind: str, num_tokens: int, top_k: int,
         t = _first(visible > top_k)
         raise ValueError(f"positions: the short-context fill needs (p + 1) // {compress_ratio} "
                          f"<= top_k = {top_k}, got position {int(positions[t])} at token {t}")
+
+
+def cache_slots(slot_mapping, kind: str, num_tokens: int, num_pages: int, block_size: int,
+                num_cache_blocks: int | None) -> None:
+    """Every slot of the first ``num_tokens`` is -1 (padding) or inside the cache."""
+    blocks = num_pages if num_cache_blocks is None else min(num_pages, num_cache_blocks)
+    slots = _host_int64(slot_mapping, kind)[:num_tokens]
+    bad = (slots != spec.PAD_SLOT_ID) & ((slots < 0) | (slots >= blocks * block_size))
+    if bad.any():
+        t = _first(bad)
+        raise ValueError(f"slot_mapping: expected -1 or a slot in [0, {blocks * block_size}) "
+                         f"({blocks} blocks of {block_size}), got {int(slots[t])} at token {t}")
+
+
+def gather_rows(seq_lens, gather_lens, block_table, kind: str, num_reqs: int, block_size: int,
+                ratio: int, offset: int, rows: int, num_pages: int,
+                num_cache_blocks: int | None, what: str = "") -> None:
+    """A gather's requests: ``0 <= gather_len <= seq_len // ratio``, the rows it
+    writes inside ``out``, and the blocks of the positions it reads inside the
+    table row and the cache."""
+    seq = _host_int64(seq_lens, kind)[:num_reqs] // ratio
+    gathered = seq if gather_lens is None else _host_int64(gather_lens, kind)[:num_reqs]
+    name = "seq_lens" if gather_lens is None else "gather_lens"
+    bad = (gathered < 0) | (gathered > seq)
+    if bad.any():
+        b = _first(bad)
+        raise ValueError(f"{name}: expected 0 <= gather_len <= seq_len{what} for every "
+                         f"request, got {int(gathered[b])} against {int(seq[b])} for request {b}")
+    if num_reqs and int(gathered.max()) + offset > rows:
+        b = int(np.argmax(gathered))
+        raise ValueError(f"out: expected at least offset + {name}[{b}] = "
+                         f"{offset + int(gathered[b])} rows per request, got {rows}")
+    blocks = num_pages if num_cache_blocks is None else min(num_pages, num_cache_blocks)
+    table = host.host_copy(block_table, kind)
+    for b in np.flatnonzero(gathered):
+        first, last = (seq[b] - gathered[b]) // block_size, (seq[b] - 1) // block_size
+        if last >= table.shape[1]:
+            raise ValueError(f"block_table{what}: request {int(b)} reads block column "
+                             f"{int(last)}, the table rows have {table.shape[1]}")
+        entries = table[b, first:last + 1]
+        if entries.min() < 0 or entries.max() >= blocks:
+            raise ValueError(f"block_table{what}: expected entries in [0, {blocks}) for the "
+                             f"blocks request {int(b)} reads, got "
+                             f"{int(entries.min())}..{int(entries.max())}")
+
+
+def indexer_gather_rows(cu_seq_lens, block_table, kind: str, block_size: int, num_pages: int,
+                        num_cache_blocks: int | None) -> None:
+    """The blocks an indexer gather reads inside the table row and the cache."""
+    cu = _host_int64(cu_seq_lens, kind)
+    table = host.host_copy(block_table, kind)
+    blocks = num_pages if num_cache_blocks is None else min(num_pages, num_cache_blocks)
+    for b in range(table.shape[0]):
+        length = int(cu[b + 1] - cu[b])
+        if length <= 0:
+            continue
+        last = (length - 1) // block_size
+        if last >= table.shape[1]:
+            raise ValueError(f"block_table: request {b} reads block column {last}, the table "
+                             f"rows have {table.shape[1]}")
+        entries = table[b, :last + 1]
+        if entries.min() < 0 or entries.max() >= blocks:
+            raise ValueError(f"block_table: expected entries in [0, {blocks}) for the blocks "
+                             f"request {b} reads, got {int(entries.min())}..{int(entries.max())}")

@@ -13,6 +13,11 @@ Values the seed computes and stores as int32 are passed through `wrap_i32`.
 """
 from __future__ import annotations
 
+import functools as _functools
+import math as _math
+import struct as _struct
+from fractions import Fraction as _Fraction
+
 PAD_ID = -1
 
 
@@ -218,3 +223,221 @@ def build(compress_ratio: int, block_size: int, num_speculative_tokens: int, wid
         if np_tok > 0:
             res["c128a_prefill"] = pf
     return res
+
+
+# ---------------------------------------------------------------- the fp8 KV caches
+# From shared/spec/vllm.md section 8 and vLLM 0.34's references
+# (_ue8m0_reference, _dequantize_and_gather_k_cache_reference), as its Triton
+# kernels behave on NaN and infinity: exact rationals, one value at a time.
+
+NOPE, ROPE, TILE, RECORD, SCALES = 448, 64, 64, 576, 8
+INDEXER_DIM = 128
+
+
+def bf16_value(bits: int) -> float:
+    return _struct.unpack("<f", _struct.pack("<I", bits << 16))[0]
+
+
+def f32_bits(value: float) -> int:
+    return _struct.unpack("<I", _struct.pack("<f", value))[0]
+
+
+def bf16_of_f32(value: float) -> int:
+    """torch's float32 -> bf16: round to nearest even on the bits; NaN 0x7FC0."""
+    if value != value:
+        return 0x7FC0
+    bits = f32_bits(value)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def f32_round(exact: _Fraction) -> float:
+    """An exact rational rounded to float32 (nearest even), as a float (normal range)."""
+    if exact == 0:
+        return 0.0
+    sign = -1 if exact < 0 else 1
+    magnitude = abs(exact)
+    e = _math.floor(_math.log2(magnitude))
+    while _Fraction(2) ** e > magnitude:
+        e -= 1
+    while _Fraction(2) ** (e + 1) <= magnitude:
+        e += 1
+    quantum = _Fraction(2) ** (e - 23)
+    return sign * float(round(magnitude / quantum) * quantum)
+
+
+def _e4m3_table():
+    values = []
+    for code in range(0x7F):                     # the finite non-negative codes
+        exponent, mantissa = code >> 3, code & 7
+        values.append(_Fraction(mantissa, 8) * _Fraction(2) ** -6 if exponent == 0
+                      else (1 + _Fraction(mantissa, 8)) * _Fraction(2) ** (exponent - 7))
+    return values
+
+
+E4M3 = _e4m3_table()
+
+
+@_functools.lru_cache(maxsize=None)
+def e4m3_code(value) -> int:
+    """The e4m3fn code nearest a finite value (ties to the even code), saturating at 448."""
+    magnitude = abs(_Fraction(value))
+    sign = 0x80 if (value < 0 or (value == 0 and _math.copysign(1.0, float(value)) < 0)) else 0
+    if magnitude >= E4M3[-1]:
+        return sign | 0x7E
+    best = min(range(len(E4M3)), key=lambda c: (abs(E4M3[c] - magnitude), c & 1))
+    return sign | best
+
+
+def e4m3_float(code: int) -> float:
+    if code & 0x7F == 0x7F:
+        return float("nan")
+    value = float(E4M3[code & 0x7F])
+    return -value if code & 0x80 else value
+
+
+def ue8m0_tile(bits: list[int]) -> tuple[list[int], int]:
+    """A NoPE tile's (e4m3 codes, scale byte), vLLM's Triton rule: amax over the
+    non-NaN |x| at least float32 1e-4, e = ceil(log2(f32(amax / 448))); a NaN
+    value is +448; a tile holding an infinity has scale byte 255, +448 for its
+    infinities and +-0 for the rest."""
+    values = [bf16_value(b) for b in bits]
+    finite_or_inf = [abs(v) for v in values if v == v]
+    amax = max(finite_or_inf, default=0.0)
+    if amax == _math.inf:
+        return [0x7E if (v != v or abs(v) == _math.inf) else (0x80 if _math.copysign(1, v) < 0
+                                                            else 0) for v in values], 255
+    amax = max(amax, _struct.unpack("<f", _struct.pack("<f", 1e-4))[0])
+    e = _math.ceil(_math.log2(f32_round(_Fraction(amax) / 448)))
+    codes = []
+    for v in values:
+        if v != v:
+            codes.append(0x7E)
+            continue
+        scaled = _Fraction(v) / _Fraction(2) ** e
+        if scaled == 0:
+            codes.append(0x80 if _math.copysign(1, v) < 0 else 0)
+        else:
+            codes.append(e4m3_code(max(min(scaled, 448), -448)))
+    return codes, max(min(e + 127, 255), 0)
+
+
+def fp8_ds_mla_insert(k_bits, pages, slot_mapping, block_size: int) -> None:
+    """k_bits [T][512] bf16 bits into pages [num_pages][page_stride] (lists of bytes, in place)."""
+    capacity = len(pages) * block_size
+    for t, slot in enumerate(slot_mapping):
+        if slot < 0 or slot >= capacity:
+            continue
+        page, r = pages[slot // block_size], slot % block_size
+        row = k_bits[t]
+        scales = []
+        for j in range(NOPE // TILE):
+            codes, scale = ue8m0_tile(row[j * TILE:(j + 1) * TILE])
+            page[r * RECORD + j * TILE:r * RECORD + (j + 1) * TILE] = codes
+            scales.append(scale)
+        for d in range(ROPE):
+            bits = row[NOPE + d]
+            page[r * RECORD + NOPE + 2 * d] = bits & 0xFF
+            page[r * RECORD + NOPE + 2 * d + 1] = bits >> 8
+        at = block_size * RECORD + r * SCALES
+        page[at:at + SCALES] = scales + [0]
+
+
+@_functools.lru_cache(maxsize=None)
+def dequantized_bf16(code: int, scale: int) -> int:
+    """bf16 bits of float32(e4m3 * 2^(scale - 127)), as vLLM's kernels read it
+    (scale byte 0: a zero factor, 255: an infinite one)."""
+    value = e4m3_float(code)
+    factor = 0.0 if scale == 0 else (_math.inf if scale == 255 else 2.0 ** (scale - 127))
+    if value != value or (value == 0 and factor == _math.inf):
+        return 0x7FC0
+    if factor == _math.inf:
+        return 0x7F80 | (0x8000 if value < 0 else 0)
+    product = _Fraction(value) * _Fraction(factor)
+    if product == 0:
+        return 0x8000 if _math.copysign(1, value) * _math.copysign(1, factor) < 0 else 0
+    if abs(product) >= _Fraction(2) ** 128:
+        return 0x7F80 | (0x8000 if product < 0 else 0)
+    if abs(product) < _Fraction(2) ** -126:     # float32 subnormal: exact at this size
+        return bf16_of_f32(float(product))
+    return bf16_of_f32(f32_round(product))
+
+
+def fp8_ds_mla_gather(out, pages, seq_lens, gather_lens, block_table, block_size: int,
+                      offset: int, ratio: int = 1) -> None:
+    """out [R][M][512] bf16 bits (lists, in place): request b's last G rows of
+    its seq_len // ratio at out rows offset + i; a row whose position, table
+    column or block is outside is not written."""
+    for b, length in enumerate(seq_lens):
+        seq = c_div(length, ratio)
+        gathered = seq if gather_lens is None else gather_lens[b]
+        for i in range(max(gathered, 0)):
+            position, row = seq - gathered + i, offset + i
+            if position < 0 or row >= len(out[b]) or b >= len(block_table):
+                continue
+            column = position // block_size
+            if column >= len(block_table[b]):
+                continue
+            page_id = block_table[b][column]
+            if page_id < 0 or page_id >= len(pages):
+                continue
+            page, r = pages[page_id], position % block_size
+            scales = page[block_size * RECORD + r * SCALES:block_size * RECORD + r * SCALES + 7]
+            record = page[r * RECORD:(r + 1) * RECORD]
+            out[b][row] = ([dequantized_bf16(record[d], scales[d // TILE]) for d in range(NOPE)]
+                           + [record[NOPE + 2 * d] | (record[NOPE + 2 * d + 1] << 8)
+                              for d in range(ROPE)])
+
+
+def indexer_insert(k_bits, pages, slot_mapping, block_size: int, scale_fmt: str) -> None:
+    """k_bits [T][128] into indexer pages (lists of bytes): amax over the non-NaN
+    |x| (floor 1e-4), scale f32(amax / 448), for ue8m0/mxfp8 2^ceil(log2);
+    values e4m3(f32(x / scale)) saturating, NaN 0x7F; the scale as float32
+    bytes or (mxfp8) its exponent byte four times."""
+    capacity = len(pages) * block_size
+    for t, row in enumerate(k_bits):
+        slot = slot_mapping[t]
+        if slot < 0 or slot >= capacity:
+            continue
+        page, r = pages[slot // block_size], slot % block_size
+        values = [bf16_value(b) for b in row]
+        amax = max((abs(v) for v in values if v == v), default=0.0)
+        if amax == _math.inf:
+            scale = _math.inf
+        else:
+            quotient = f32_round(_Fraction(max(amax, _struct.unpack("<f", _struct.pack(
+                "<f", 1e-4))[0])) / 448)
+            scale = quotient if scale_fmt == "" else 2.0 ** _math.ceil(_math.log2(quotient))
+        codes = []
+        for v in values:
+            if v != v or (scale == _math.inf and abs(v) == _math.inf):
+                codes.append(0x7F)
+            elif scale == _math.inf or v == 0:
+                codes.append(0x80 if _math.copysign(1, v) < 0 else 0)
+            else:
+                scaled = f32_round(_Fraction(v) / _Fraction(scale)) \
+                    if abs(_Fraction(v) / _Fraction(scale)) >= _Fraction(2) ** -126 else 0.0
+                codes.append(e4m3_code(scaled) if scaled != 0
+                             else (0x80 if v < 0 else 0))
+        page[r * INDEXER_DIM:(r + 1) * INDEXER_DIM] = codes
+        bits = f32_bits(scale)
+        scale_bytes = [(bits >> 23) & 0xFF] * 4 if scale_fmt == "mxfp8" else \
+            list(_struct.pack("<I", bits))
+        at = block_size * INDEXER_DIM + r * 4
+        page[at:at + 4] = scale_bytes
+
+
+def indexer_gather(pages, dst_k, dst_scale, block_table, cu_seq_lens, block_size: int) -> None:
+    """dst rows (lists of bytes, in place): row t is position t - cu[b] of the
+    request b with cu[b] <= t < cu[b + 1]; other rows are not written."""
+    for t in range(len(dst_k)):
+        owners = [b for b in range(len(block_table)) if cu_seq_lens[b] <= t < cu_seq_lens[b + 1]]
+        if not owners:
+            continue
+        b = owners[0]
+        position = t - cu_seq_lens[b]
+        column = position // block_size
+        if column >= len(block_table[b]) or not 0 <= block_table[b][column] < len(pages):
+            continue
+        page, r = pages[block_table[b][column]], position % block_size
+        dst_k[t] = page[r * INDEXER_DIM:(r + 1) * INDEXER_DIM]
+        dst_scale[t] = page[block_size * INDEXER_DIM + r * 4:block_size * INDEXER_DIM + r * 4 + 4]

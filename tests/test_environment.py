@@ -74,7 +74,8 @@ def test_cpu_warmup_covers_every_kernel_and_dtype():
     names = {kernel.__name__.removeprefix("cpu_") for kernel in families.CPU_KERNELS}
     assert {name.split("[")[0] for name in done["cpu"]} == names
     variants = {"compressed_slot_mapping": 2, "c128a_topk_metadata": 4,
-                "fill_short_context_topk_indices": 2, "step_validity": 2}   # the API's dtype axes
+                "fill_short_context_topk_indices": 2, "step_validity": 2,
+                "quantize_and_insert_k_cache": 2, "indexer_k_quant_and_cache": 2}   # dtype axes
     for kernel in families.CPU_KERNELS:
         name = kernel.__name__.removeprefix("cpu_")
         named = [entry for entry in done["cpu"] if entry.split("[")[0] == name]

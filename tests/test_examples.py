@@ -37,6 +37,12 @@ def test_torch_dlpack_without_torch_says_it_skips():
     assert "torch not installed" in result.stdout and "skipping this example" in result.stdout
 
 
+def test_kv_cache_step():
+    output = run_example("kv_cache_step.py")
+    assert "RoPE exact" in output
+    assert "shared with the numpy workspace" in output or "torch not installed" in output
+
+
 def test_swa_c4a_step():
     """On the CPU path here; on the GPU (cupy) where there is one."""
     output = run_example("swa_c4a_step.py")

@@ -349,3 +349,67 @@ def test_a_chain_of_dependent_ops_replayed_from_a_graph(kind, programmatic):
         replay()
         assert_chain(outputs, step)
     assert len(programmatic) == captured                    # replays launch nothing new
+
+
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_captured_insert_and_gather_replay_new_keys_like_the_cpu_path(kind):
+    """quantize_and_insert_k_cache then dequantize_and_gather_prefill_kv captured
+    once (torch's graph or a CuPy stream capture), replayed with new keys, slots
+    and lengths written into the captured arrays; each replay's cache and
+    workspace equal the CPU path's."""
+    rng = np.random.default_rng(21)
+    tokens, requests, ratio, N, M = 40, 3, 4, 16, 16 + 70
+    pages_host = np.full((24, 37440), 165, np.uint8)
+    tables = rng.permutation(24).astype(I32).reshape(3, 8)
+
+    def new_step():
+        k = rng.standard_normal((tokens, 512)).astype(np.float32)
+        k = (k.view(np.uint32) >> 16).astype(np.uint16)            # bf16 bits (truncated)
+        slots = rng.permutation(24 * 64)[:tokens].astype(np.int64)
+        seq = rng.integers(100, 500, requests).astype(I32)
+        lens = np.minimum(rng.integers(1, 70, requests), seq).astype(I32)
+        return k, slots, seq, lens
+
+    def run(arrays, pages, out):
+        k, slots, seq, lens = arrays
+        d4.quantize_and_insert_k_cache(k, pages, slots, 64)
+        d4.dequantize_and_gather_prefill_kv(out, pages, tables_of[0], pages, tables_of[1], seq,
+                                            lens, ratio, N, compressed_block_size=64)
+
+    first, second = new_step(), new_step()
+    device = [to_kind(x, kind) for x in first]
+    pages, out = to_kind(pages_host, kind), to_kind(np.full((requests, M, 512), 7, np.uint16), kind)
+    tables_of = (to_kind(tables[:, :4].copy(), kind), to_kind(tables[:, 4:].copy(), kind))
+    if kind == "torch_cuda":
+        import torch
+        graph, _ = torch_capture(lambda: run(device, pages, out))
+        for array, value in zip(device, second):
+            array.copy_(torch.from_numpy(value))
+        pages.copy_(torch.from_numpy(pages_host))
+        out.fill_(7)
+        graph.replay()
+        torch.cuda.synchronize()
+    else:
+        import cupy
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            run(device, pages, out)
+            stream.synchronize()
+            stream.begin_capture()
+            run(device, pages, out)
+            graph = stream.end_capture()
+            for array, value in zip(device, second):
+                array[...] = cupy.asarray(value)
+            pages[...] = cupy.asarray(pages_host)
+            out.fill(7)
+        graph.launch(stream)
+        stream.synchronize()
+    want_pages, want_out = pages_host.copy(), np.full((requests, M, 512), 7, np.uint16)
+    host_tables = (tables[:, :4].copy(), tables[:, 4:].copy())
+    k, slots, seq, lens = second
+    d4.quantize_and_insert_k_cache(k, want_pages, slots, 64)
+    d4.dequantize_and_gather_prefill_kv(want_out, want_pages, host_tables[0], want_pages,
+                                        host_tables[1], seq, lens, ratio, N,
+                                        compressed_block_size=64)
+    np.testing.assert_array_equal(to_numpy(pages), want_pages)
+    np.testing.assert_array_equal(to_numpy(out), want_out)

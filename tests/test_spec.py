@@ -30,8 +30,10 @@ def test_active_width_rejects_unaligned_capacity():
 
 
 def test_kv_cache_shape():
-    assert d4.kv_cache_shape(10, 256, 1, 512, "fp8_ds_mla") == (10, 256, 584)
-    assert d4.kv_cache_shape(10, 256, 1, 512, "fp8") == (10, 256, 584)
+    assert d4.kv_cache_shape(10, 64, 1, 512, "fp8_ds_mla") == (10, 64, 584)
+    assert d4.kv_cache_shape(10, 2, 1, 512, "fp8") == (10, 2, 584)
+    with pytest.raises(ValueError, match=r"block_size: .* got 256 \(the logical block"):
+        d4.kv_cache_shape(10, 256, 1, 512, "fp8_ds_mla")
     assert d4.kv_cache_shape(10, 256, 1, 512) == (10, 256, 512)
     assert d4.FP8_DS_MLA_BYTES_PER_TOKEN == 448 + 128 + 8
     with pytest.raises(ValueError, match="cache_dtype"):
@@ -50,4 +52,4 @@ def test_backend_facts():
     assert b.is_mla() and b.is_sparse() and b.supports_sink()
     assert b.supports_compute_capability((9, 0)) and b.supports_compute_capability((10, 3))
     assert not b.supports_compute_capability((12, 0)) and not b.supports_compute_capability((8, 9))
-    assert b.get_kv_cache_shape(2, 256, 1, 512, "fp8_ds_mla") == (2, 256, 584)
+    assert b.get_kv_cache_shape(2, 64, 1, 512, "fp8_ds_mla") == (2, 64, 584)

@@ -24,6 +24,7 @@ import numpy as np
 from .. import __version__
 from . import latency
 from .host_cost import host_rows, print_host_rows
+from .kv_cache import print_cache_rows
 from .layers import print_layer_rows
 from .step import print_step_rows
 
@@ -234,6 +235,8 @@ def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
     from .layers import layer_rows
     rows += layer_rows(quick, timer, ceil, host_meta["launch_floor_us"],
                        lambda items: _progress(items, progress, "layer cases"))
+    from .kv_cache import cache_rows
+    rows += cache_rows(timer, ceil)
     meta = {"ceilings": ceil, "host": host_meta, "vllm": vllm_note, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name()}
     try:
@@ -300,6 +303,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     if step_rows:
         print_step_rows(step_rows)
     print_layer_rows(rows)
+    print_cache_rows(rows)
     for r in rows:
         if "numba_ms" in r:
             print(f"\nCPU c128a, {r['case']}, W={r['W']}, {r['threads']} threads: numba "
@@ -312,8 +316,11 @@ PLOT_PANELS = (
      lambda r: r.get("op") == "step" and "upstream_graph_us" in r,
      "step_graph_us", "upstream_graph_us", "vLLM's sequence"),
     ("per-layer ops vs Triton ports of vLLM's kernels",
-     lambda r: "triton_graph_us" in r, "ours_layer_graph_us", "triton_graph_us",
-     "vLLM Triton (port)"),
+     lambda r: "triton_graph_us" in r and "ours_layer_graph_us" in r, "ours_layer_graph_us",
+     "triton_graph_us", "vLLM Triton (port)"),
+    ("fp8 cache ops vs Triton ports of vLLM 0.34's",
+     lambda r: str(r.get("op", "")).startswith("kv_") and "triton_graph_us" in r,
+     "ours_graph_us", "triton_graph_us", "vLLM Triton (port)"),
     ("C128A metadata vs torch eager", lambda r: r.get("op") == "build",
      "ours_graph_us", "torch_graph_us", "torch eager"),
 )
@@ -331,7 +338,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     panels = [panel for panel in panels if panel[1]]
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.5), squeeze=False)
     for ax, (title, sel, ours, theirs, label) in zip(axes[0], panels):
         x = np.arange(len(sel))
         ax.bar(x - 0.2, [r[ours] for r in sel], 0.4, label="dsv4_cupy")

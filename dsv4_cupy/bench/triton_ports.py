@@ -157,3 +157,82 @@ def empty_launch(tensors, n, m):
     """Triton's launcher alone: an empty kernel taking vLLM's C128A kernel's
     arguments (7 tensors, 2 ints), for the host-cost comparison."""
     _seven_tensors_kernel[(1,)](*tensors, n, m, BLOCK=128)
+
+
+# --- the fp8_ds_mla cache (vLLM 0.34's quantize_and_insert_k_kernel and its
+# Triton dequantize-and-gather: one program per token; a (requests, 128) grid) --------------
+GATHER_WORKERS = 128
+
+
+@triton.jit
+def _k_cache_insert_kernel(k_ptr, cache_ptr, slot_ptr, k_stride, PAGE_STRIDE: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot != -1:
+        page_base = cache_ptr + (slot // BLOCK_SIZE) * PAGE_STRIDE
+        state = slot % BLOCK_SIZE
+        record = page_base + state * 576
+        scales = page_base + BLOCK_SIZE * 576 + state * 8
+        row = k_ptr + t.to(tl.int64) * k_stride
+        dims = tl.arange(0, 64)
+        for j in tl.static_range(7):
+            x = tl.load(row + j * 64 + dims).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x)), 1e-4)
+            e = tl.ceil(tl.log2(amax / 448.0))
+            y = tl.clamp(x / tl.exp2(e), -448.0, 448.0)
+            tl.store(record + j * 64 + dims, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(scales + j, tl.minimum(tl.maximum(e + 127.0, 0.0), 255.0).to(tl.uint8))
+        tl.store(scales + 7, tl.zeros((), tl.uint8))
+        rope = tl.load(row + 448 + dims)
+        tl.store((record + 448).to(tl.pointer_type(tl.bfloat16)) + dims, rope)
+
+
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size):
+    tokens = slot_mapping.shape[0]
+    if tokens:
+        _k_cache_insert_kernel[(tokens,)](k, k_cache, slot_mapping, k.stride(0),
+                                          PAGE_STRIDE=k_cache.stride(0), BLOCK_SIZE=block_size)
+
+
+@triton.jit
+def _k_cache_gather_kernel(out_ptr, cache_ptr, seq_ptr, lens_ptr, table_ptr, out_stride0,
+                           out_stride1, table_stride, offset, PAGE_STRIDE: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr, HAS_LENS: tl.constexpr,
+                           WORKERS: tl.constexpr):
+    b = tl.program_id(0)
+    worker = tl.program_id(1)
+    seq = tl.load(seq_ptr + b)
+    if HAS_LENS:
+        gathered = tl.load(lens_ptr + b)
+    else:
+        gathered = seq
+    start = seq - gathered
+    dims = tl.arange(0, 512)
+    nope = dims < 448
+    for i in range(worker, gathered, WORKERS):
+        position = start + i
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + position // BLOCK_SIZE)
+        page_base = cache_ptr + page.to(tl.int64) * PAGE_STRIDE
+        state = position % BLOCK_SIZE
+        record = page_base + state * 576
+        scale = tl.load(page_base + BLOCK_SIZE * 576 + state * 8 + dims // 64, mask=nope,
+                        other=127).to(tl.float32)
+        value = tl.load(record + dims, mask=nope, other=0).to(tl.float8e4nv, bitcast=True)
+        dequantized = (value.to(tl.float32) * tl.exp2(scale - 127.0)).to(tl.bfloat16)
+        row = out_ptr + b.to(tl.int64) * out_stride0 + (offset + i).to(tl.int64) * out_stride1
+        tl.store(row + dims, dequantized, mask=nope)
+        rope_dims = tl.arange(0, 64)
+        rope = tl.load((record + 448).to(tl.pointer_type(tl.bfloat16)) + rope_dims)
+        tl.store(row + 448 + rope_dims, rope)
+
+
+def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size,
+                                  offset):
+    requests = seq_lens.shape[0]
+    if requests:
+        _k_cache_gather_kernel[(requests, GATHER_WORKERS)](
+            out, k_cache, seq_lens, seq_lens if gather_lens is None else gather_lens,
+            block_table, out.stride(0), out.stride(1), block_table.stride(0), offset,
+            PAGE_STRIDE=k_cache.stride(0), BLOCK_SIZE=block_size,
+            HAS_LENS=gather_lens is not None, WORKERS=GATHER_WORKERS)

@@ -1,0 +1,72 @@
+// The numbers of the fp8 KV caches: bf16 and FP8 E4M3 (e4m3fn) bits and the
+// UE8M0 scale exponent; dsv4_cupy/fp8.py is the CPU path's twin, bit for bit.
+// CuPy compiles with -ftz=true, so nothing here lets a float32 subnormal
+// decide a result: the exponent comes from integer bits, and the dequantised
+// product runs in float64, where it is exact.
+#pragma once
+#include <cuda_fp8.h>
+#include <cuda_bf16.h>
+#include "common.cuh"
+
+namespace dsv4 {
+
+constexpr float kE4m3Max = DSV4_FP8_E4M3_MAX;
+constexpr float kAmaxFloor = 1e-4f;          // vLLM's floor: an all-zero tile has a finite scale
+constexpr int kScaleBias = 127;              // a scale byte is 2^(byte - 127)
+constexpr unsigned char kScaleNonfinite = 255;   // the tile of a NaN or an infinity
+constexpr unsigned char kE4m3Nan = 0x7F;
+constexpr unsigned short kBf16Nan = 0x7FC0;
+constexpr unsigned kF32Infinity = 0x7F800000u;
+
+__device__ __forceinline__ float bf16_value(unsigned short bits) {
+    return __uint_as_float((unsigned)bits << 16);
+}
+
+// |bf16| as ordered integer bits: the larger magnitude has the larger bits,
+// and a NaN is above the infinity (0x7F80).
+__device__ __forceinline__ unsigned bf16_magnitude(unsigned short bits) { return bits & 0x7FFFu; }
+
+// ceil(log2(max(amax, 1e-4) / 448)) for a finite amax >= 0 (the quotient is a
+// normal float32: at least 1e-4 / 448).
+__device__ __forceinline__ int ue8m0_exponent(float amax) {
+    const float quotient = fmaxf(amax, kAmaxFloor) / kE4m3Max;
+    const unsigned bits = __float_as_uint(quotient);
+    const int exponent = (int)(bits >> 23) - 127;
+    return (bits & 0x7FFFFFu) ? exponent + 1 : exponent;
+}
+
+// 2^e as a float32, for the exponents a finite tile has (-22..120: normal).
+__device__ __forceinline__ float power_of_two(int e) {
+    return __uint_as_float((unsigned)(e + 127) << 23);
+}
+
+// A value of [-448, 448] (or NaN) as e4m3fn, rounded to nearest even; NaN is 0x7F.
+__device__ __forceinline__ unsigned char e4m3_bits(float v) {
+    if (v != v) return kE4m3Nan;
+    return (unsigned char)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// The value of an e4m3fn byte (NaN for 0x7F and 0xFF), exactly.
+__device__ __forceinline__ double e4m3_value(unsigned char bits) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)bits, __NV_E4M3);
+    return (double)__half2float(__half(h));
+}
+
+// The factor of a scale byte, as vLLM's kernels read it: 2^(byte - 127), but
+// 0 for byte 0 (their float32 2^-127 is flushed to zero) and an infinity for
+// 255 (float32's 2^128).
+__device__ __forceinline__ double scale_factor(unsigned char scale) {
+    if (scale == 0) return 0.0;
+    return __longlong_as_double(scale == kScaleNonfinite ? 0x7FF0000000000000LL      // +inf
+                                                         : (long long)(scale - kScaleBias + 1023) << 52);
+}
+
+// bf16 bits of byte's fp8 value times its scale factor: the product is exact
+// in float64, so the one rounding is the bf16 one; NaN gives 0x7FC0.
+__device__ __forceinline__ unsigned short dequantized_bf16(unsigned char value, unsigned char scale) {
+    const double scaled = e4m3_value(value) * scale_factor(scale);
+    if (scaled != scaled) return kBf16Nan;
+    return __bfloat16_as_ushort(__double2bfloat16(scaled));
+}
+
+}  // namespace dsv4
