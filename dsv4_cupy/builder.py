@@ -24,6 +24,10 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         ``hf_config.index_topk`` (512 Flash, 1024 Pro), reported as ``topk_tokens``.
     num_speculative_tokens : int
         Decode threshold is ``1 + num_speculative_tokens`` (MTP/DSpark decodes).
+    decode_threshold : int, optional
+        The threshold itself, when it is not that: vLLM 0.34's
+        ``max_decode_query_len`` adds the draft model's drafting slots
+        (``1 + num_speculative_tokens + max_num_new_slots_for_drafting``).
     treat_short_extends_as_decodes : bool
         vLLM's split flag: when False, a request still prefilling its prompt
         (``CommonAttentionMetadata.is_prefilling``) is a prefill.

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .kinds import kind_of, stack_columns
+import numpy as np
+
+from .kinds import INT32, describe, kind_of, probe, stack_columns
 from .scalars import check_int
 
 #: Bound of context-parallel world and interleave sizes.
@@ -57,7 +59,10 @@ def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = N
     seq_lens : int array ``[N]`` (numpy, cupy or torch) or an int
         Lengths, in the rows being sharded (tokens, or compressed rows).
     dcp_size, dcp_rank, cp_kv_cache_interleave_size : int
-        ``dcp_rank=None`` returns every rank's count.
+        ``dcp_rank=None`` returns every rank's count. ``dcp_rank`` may also be
+        a one-element int32 array of ``seq_lens``'s kind and device (vLLM 0.34
+        keeps it on the device: no host copy); the result then has the
+        broadcast shape.
 
     Returns
     -------
@@ -68,7 +73,16 @@ def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = N
     world, _, interleave = check_cp(dcp_size, 0, cp_kv_cache_interleave_size,
                                     names=("dcp_size", "dcp_rank",
                                            "cp_kv_cache_interleave_size"))
-    if dcp_rank is not None:
+    rank_kind = kind_of(dcp_rank) if dcp_rank is not None else None
+    if rank_kind is not None:
+        rank = probe("dcp_rank", dcp_rank)
+        if (rank.kind, rank.device) != (kind_of(seq_lens), probe("seq_lens", seq_lens).device
+                                        if kind_of(seq_lens) else -2):
+            raise TypeError(f"dcp_rank: expected an array like seq_lens, got {describe(dcp_rank)}")
+        if rank.dtype != INT32 or int(np.prod(rank.shape, dtype=np.int64)) != 1:
+            raise ValueError(f"dcp_rank: expected one int32 value, got {rank.dtype} of shape "
+                             f"{tuple(rank.shape)}")
+    elif dcp_rank is not None:
         check_int("dcp_rank", dcp_rank, minimum=0, maximum=world - 1)
     if isinstance(seq_lens, int) or kind_of(seq_lens) is None:
         seq_lens = check_int("seq_lens", seq_lens, minimum=0)

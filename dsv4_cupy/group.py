@@ -74,7 +74,8 @@ class KVCacheGroup:
                  num_speculative_tokens: int = 0, treat_short_extends_as_decodes: bool = True,
                  width_policy: str = "active", dcp_world_size: int = 1, dcp_rank: int = 0,
                  cp_kv_cache_interleave_size: int = 1, like="numpy", device: int | None = None,
-                 validate: str = "default", num_cache_blocks: int | None = None):
+                 validate: str = "default", num_cache_blocks: int | None = None,
+                 decode_threshold: int | None = None):
         self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                         maximum=MAX_BLOCK_SIZE)
         self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
@@ -84,7 +85,8 @@ class KVCacheGroup:
                                     maximum=MAX_BLOCK_SIZE * KV_BLOCK_SIZE)
         self.topk_tokens = check_int("index_topk", index_topk, minimum=1)
         spec_tokens = check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
-        self.decode_threshold = 1 + spec_tokens
+        self.decode_threshold = 1 + spec_tokens if decode_threshold is None else check_int(
+            "decode_threshold", decode_threshold, minimum=1)
         self.treat_short_extends_as_decodes = bool(treat_short_extends_as_decodes)
         self.width_policy = check_choice("width_policy", width_policy, WIDTH_POLICIES)
         self.full_validation = validation.check_mode(validate, num_cache_blocks)

@@ -21,7 +21,9 @@ class CommonAttentionMetadata:
     ``is_prefilling`` ``[num_reqs]`` host bool (requests still processing their
     prompt; read only by ``split_decodes_and_prefills(...,
     treat_short_extends_as_decodes=False)``), ``seq_lens_cpu`` ``[num_reqs]`` host
-    int (read by the step builder's prefill planning).
+    int (read by the step builder's prefill planning; vLLM 0.34 has
+    ``seq_lens_cpu_upper_bound``, exact for prefill requests, read when
+    ``seq_lens_cpu`` is None).
     """
 
     query_start_loc: Any
@@ -36,6 +38,7 @@ class CommonAttentionMetadata:
     positions: Any = None
     is_prefilling: Any = None
     seq_lens_cpu: Any = None
+    seq_lens_cpu_upper_bound: Any = None
 
 
 @dataclass

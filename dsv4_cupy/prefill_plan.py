@@ -8,6 +8,15 @@ from .kinds import HOST_KINDS, describe, kind_of
 from .scalars import check_int
 from .spec import cdiv
 
+#: vLLM 0.34's indexer prefill limits: the logits budget
+#: (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, 512 MiB), the fused MQA top-k's keys
+#: and rows, the workspace's rows per token of context (576 * 2 // 132) and its
+#: factor (5 up to a 256K context, else 2).
+INDEXER_MAX_LOGITS_BYTES = 512 * 1024 * 1024
+FUSED_MQA_TOPK_MAX_KEYS, FUSED_MQA_TOPK_MAX_ROWS = 1 << 20, 16384
+INDEXER_WORKSPACE_ROWS_PER_TOKEN = 576 * 2 // 132
+INDEXER_WORKSPACE_FACTORS, INDEXER_WORKSPACE_FACTOR_CONTEXT = (5, 2), 262144
+
 
 def _host_lengths(name: str, values) -> list[int]:
     """A list or host int array of lengths >= 0, as Python ints."""
@@ -30,8 +39,8 @@ def _host_lengths(name: str, values) -> list[int]:
 
 
 def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size: int,
-                           window_size: int, max_model_len: int,
-                           max_num_batched_tokens: int) -> list[tuple[int, int, int, int]]:
+                           window_size: int, max_model_len: int, max_num_batched_tokens: int,
+                           has_compressed: bool | None = None) -> list[tuple[int, int, int, int]]:
     """Split the prefill requests into chunks whose gathered workspace fits (host only).
 
     vLLM's ``get_prefill_chunk_plan`` (#45061): greedy over the
@@ -50,6 +59,11 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
     chunk_size : int
         ``PREFILL_CHUNK_SIZE``: requests' worth of workspace per chunk.
     window_size, max_model_len, max_num_batched_tokens : int
+    has_compressed : bool, optional
+        Whether the layers have compressed rows (vLLM 0.34; default
+        ``compress_ratio > 1``, DeepSeek-V4.0's rule). DeepSeek-V4.1 passes
+        True for its ratio-1 layers, whose compressed cache is full length
+        (``L // 1`` rows).
 
     Returns
     -------
@@ -68,15 +82,22 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
     if len(seq) != len(queries):
         raise ValueError(f"query_lens: expected one per request of seq_lens ({len(seq)}), "
                          f"got {len(queries)}")
+    if has_compressed is not None:
+        if not isinstance(has_compressed, (bool, np.bool_)):
+            raise TypeError(f"has_compressed: expected a bool or None, got "
+                            f"{type(has_compressed).__name__}")
+        if has_compressed and compress_ratio < 1:
+            raise ValueError(f"compress_ratio: expected at least 1 with has_compressed=True, "
+                             f"got {compress_ratio}")
     return plan_chunks(seq, queries, compress_ratio, chunk_size, window_size, max_model_len,
-                       max_num_batched_tokens)
+                       max_num_batched_tokens, has_compressed)
 
 
 def plan_chunks(seq_lens: list, query_lens: list, compress_ratio: int, chunk_size: int,
-                window_size: int, max_model_len: int,
-                max_num_batched_tokens: int) -> list[tuple[int, int, int, int]]:
+                window_size: int, max_model_len: int, max_num_batched_tokens: int,
+                has_compressed: bool | None = None) -> list[tuple[int, int, int, int]]:
     """``get_prefill_chunk_plan`` of checked Python ints (the step builder's path)."""
-    compresses = compress_ratio > 1
+    compresses = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
     compressed = [s // compress_ratio if compresses else 0 for s in seq_lens]
     gathered = [q + min(max(s - q, 0), window_size - 1) for s, q in zip(seq_lens, query_lens)]
     budget = chunk_size * ((cdiv(max_model_len, compress_ratio) if compresses else 0)
@@ -93,3 +114,87 @@ def plan_chunks(seq_lens: list, query_lens: list, compress_ratio: int, chunk_siz
         plan.append((start, end, most_compressed, most_compressed + most_gathered))
         start = end
     return plan
+
+
+def indexer_prefill_workspace_rows(max_model_len: int, compress_ratio: int,
+                                   workspace_factor: int | None = None) -> int:
+    """Compressed rows of the indexer's prefill workspace, as vLLM 0.34 sizes
+    it: ``max_model_len * 8 * factor // compress_ratio`` (8 = 576 * 2 // 132),
+    ``factor`` (``sparse_mla_prefill_workspace_factor``) 5 up to a 256K
+    context, else 2."""
+    max_model_len = check_int("max_model_len", max_model_len, minimum=1)
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1)
+    if workspace_factor is None:
+        workspace_factor = (INDEXER_WORKSPACE_FACTORS[0]
+                            if max_model_len <= INDEXER_WORKSPACE_FACTOR_CONTEXT
+                            else INDEXER_WORKSPACE_FACTORS[1])
+    workspace_factor = check_int("workspace_factor", workspace_factor, minimum=2)
+    return max_model_len * INDEXER_WORKSPACE_ROWS_PER_TOKEN * workspace_factor // compress_ratio
+
+
+def split_indexer_prefill_chunks(compressed_seq_lens_cpu, prefill_query_lens_cpu,
+                                 workspace_size: int,
+                                 max_logits_bytes: int = INDEXER_MAX_LOGITS_BYTES,
+                                 request_offset: int = 0,
+                                 fused_mqa_topk_eligible: bool = False) -> list[tuple[slice, slice]]:
+    """The indexer's prefill chunks (vLLM 0.34's ``_split_indexer_prefill_chunks``,
+    host only): requests taken greedily while their compressed rows fit
+    ``workspace_size`` and their logits (query rows x keys, float32) fit
+    ``max_logits_bytes``, or, for the fused MQA top-k, at most
+    ``FUSED_MQA_TOPK_MAX_KEYS`` keys and ``FUSED_MQA_TOPK_MAX_ROWS`` rows. A
+    request that breaks a limit alone is a chunk of its own; a chunk's query
+    rows are then cut to what one logits call holds.
+
+    Parameters
+    ----------
+    compressed_seq_lens_cpu, prefill_query_lens_cpu : lists or host int arrays ``[P]``
+        Each prefill request's compressed rows (``seq_len // ratio``) and query tokens.
+    workspace_size : int
+        Compressed rows of the workspace (``indexer_prefill_workspace_rows``).
+    max_logits_bytes : int
+        ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`` (512) MiB.
+    request_offset : int
+        Added to the request slices (the decode requests before the prefills).
+    fused_mqa_topk_eligible : bool
+        The fused MQA top-k's limits instead of the logits budget where they apply
+        (sm_100 with the default indexer shape; never on sm_90).
+
+    Returns
+    -------
+    ``[(request slice, query slice), ...]``: absolute request rows, and query
+    rows relative to the chunk's first query token.
+    """
+    keys = _host_lengths("compressed_seq_lens_cpu", compressed_seq_lens_cpu)
+    queries = _host_lengths("prefill_query_lens_cpu", prefill_query_lens_cpu)
+    if len(keys) != len(queries):
+        raise ValueError(f"prefill_query_lens_cpu: expected one per request of "
+                         f"compressed_seq_lens_cpu ({len(keys)}), got {len(queries)}")
+    workspace_size = check_int("workspace_size", workspace_size, minimum=0)
+    max_logits_bytes = check_int("max_logits_bytes", max_logits_bytes, minimum=0)
+    request_offset = check_int("request_offset", request_offset, minimum=0)
+    fused = bool(fused_mqa_topk_eligible)
+    max_elements = max_logits_bytes // 4
+    chunks, end, count = [], 0, len(keys)
+    while end < count:
+        start, rows, columns = end, 0, 0
+        while end < count:
+            more_rows, more_columns = rows + queries[end], columns + keys[end]
+            if fused and more_columns <= FUSED_MQA_TOPK_MAX_KEYS:
+                fits = more_rows <= FUSED_MQA_TOPK_MAX_ROWS
+            else:
+                fits = not fused and more_rows * more_columns <= max_elements
+            if more_columns > workspace_size or not fits:
+                break
+            rows, columns, end = more_rows, more_columns, end + 1
+        if end == start:                        # one request past a limit: alone
+            rows, columns, end = queries[end], keys[end], end + 1
+        if fused and columns <= FUSED_MQA_TOPK_MAX_KEYS:
+            per_call = FUSED_MQA_TOPK_MAX_ROWS
+        elif columns > 0:
+            per_call = max(1, max_logits_bytes // (4 * columns))
+        else:
+            per_call = max(1, rows)
+        requests = slice(start + request_offset, end + request_offset)
+        chunks += [(requests, slice(first, min(first + per_call, rows)))
+                   for first in range(0, rows, per_call)]
+    return chunks

@@ -38,7 +38,8 @@ def split_decodes_and_prefills(common_attn_metadata, decode_threshold: int = 1,
     Returns
     -------
     ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`` as ints;
-    ``(0, 0, 0, 0)`` for a batch with no request. The batch is assumed
+    ``(0, 0, T, 0)`` for a batch with no request (vLLM 0.34: its ``T`` tokens
+    are padding, counted as decode tokens). The batch is assumed
     reordered decodes first (vLLM's runner does this); the first prefill
     starts the prefills. ``num_actual_tokens`` below the decode tokens is an error.
     """
@@ -96,9 +97,9 @@ def split_host(qsl: np.ndarray, threshold: int, require_uniform: bool,
     path). ``is_prefilling`` given means short extends are prefills (vLLM's
     ``treat_short_extends_as_decodes=False``)."""
     num_reqs = qsl.shape[0] - 1
-    if num_reqs == 0:
-        return 0, 0, 0, 0
     total = int(qsl[-1]) if num_actual_tokens is None else num_actual_tokens
+    if num_reqs == 0:            # vLLM 0.34: every (padding) token is a decode token
+        return 0, 0, total, 0
     short_extends_are_decodes = is_prefilling is None
     query_lens = None
     if max_query_len is None:
@@ -116,7 +117,8 @@ def split_host(qsl: np.ndarray, threshold: int, require_uniform: bool,
         uniform = np.all((query_lens == first) | (query_lens == 0))
         if uniform and short_extends_are_decodes:
             return num_reqs, 0, _checked_tokens(total, total), 0
-        is_prefill = query_lens != first
+        # A row of no tokens (CUDA-graph padding) is never a prefill by itself.
+        is_prefill = (query_lens != first) & (query_lens != 0)
     else:
         is_prefill = query_lens > threshold
     if not short_extends_are_decodes:

@@ -58,7 +58,8 @@ class DeepseekV4StepMetadataBuilder:
     own ``block_table_tensor`` and ``slot_mapping`` (read for the SWA and
     C128A groups; the C4A and indexer compressed slot mappings come from
     their block tables, as vLLM's builders do). A step with prefills
-    needs ``seq_lens_cpu`` (host) on the C128A group's metadata: the chunk
+    needs ``seq_lens_cpu`` (host; vLLM 0.34's ``seq_lens_cpu_upper_bound``
+    is taken in its place) on the C128A group's metadata: the chunk
     plans and the indexer's compressed-row count are host decisions.
 
     Parameters
@@ -75,7 +76,7 @@ class DeepseekV4StepMetadataBuilder:
         ``W`` (128).
     index_topk : int
         The indexer's top-k (512 Flash, 1024 Pro): width of the short-context rows.
-    num_speculative_tokens, treat_short_extends_as_decodes, width_policy
+    num_speculative_tokens, decode_threshold, treat_short_extends_as_decodes, width_policy
         As for ``DeepseekV4MetadataBuilder`` (the C128A group).
     combined_prefill : bool
         Build the combined prefill rows of the C128A and SWA-only layers once
@@ -110,13 +111,14 @@ class DeepseekV4StepMetadataBuilder:
                  width_policy: str = "active", combined_prefill: bool = False,
                  prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
                  max_num_compressed: int | None = None, like="numpy", device: int | None = None,
-                 validate: str = "default", num_cache_blocks: int | None = None):
+                 validate: str = "default", num_cache_blocks: int | None = None,
+                 decode_threshold: int | None = None):
         group = self.c128a_group = KVCacheGroup(
             C128A_RATIO, max_model_len, max_num_batched_tokens, block_size=block_size,
             index_topk=index_topk, num_speculative_tokens=num_speculative_tokens,
             treat_short_extends_as_decodes=treat_short_extends_as_decodes,
             width_policy=width_policy, like=like, device=device, validate=validate,
-            num_cache_blocks=num_cache_blocks)
+            num_cache_blocks=num_cache_blocks, decode_threshold=decode_threshold)
         self.kind, self.device = group.kind, group.device
         self.max_model_len = group.max_model_len
         self.max_num_batched_tokens = group.max_num_batched_tokens

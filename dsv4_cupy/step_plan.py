@@ -189,14 +189,17 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
     num_decodes, num_prefills = split.num_decodes, split.num_prefills
     if not num_prefills:
         return None, 0
-    if cm.seq_lens_cpu is None:
+    # vLLM 0.34 has only the upper bound, exact for the prefill requests read here.
+    host_seq_lens = cm.seq_lens_cpu if cm.seq_lens_cpu is not None else \
+        cm.seq_lens_cpu_upper_bound
+    if host_seq_lens is None:
         raise ValueError("common_attn_metadata['c128a'].seq_lens_cpu: required for a step "
                          "with prefills (the chunk plans and the indexer's row count are "
-                         "host decisions), got None")
-    seq_cpu = probe("seq_lens_cpu", cm.seq_lens_cpu)
+                         "host decisions; or seq_lens_cpu_upper_bound), got None")
+    seq_cpu = probe("seq_lens_cpu", host_seq_lens)
     if seq_cpu.kind not in HOST_KINDS:
         raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
-                        f"{describe(cm.seq_lens_cpu)}")
+                        f"{describe(host_seq_lens)}")
     checks.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
     # Python ints: a handful of requests costs less than numpy calls.
     end = num_decodes + num_prefills

@@ -79,8 +79,8 @@ def split_decodes_and_prefills(query_start_loc: list[int], decode_threshold: int
     with treat_short_extends_as_decodes=True."""
     qsl = query_start_loc
     num_reqs = len(qsl) - 1
-    if num_reqs <= 0:
-        return (0, 0, 0, 0)
+    if num_reqs <= 0:                              # vLLM 0.34: the tokens are padding decodes
+        return (0, 0, qsl[-1] if num_actual_tokens is None else num_actual_tokens, 0)
     qlen = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
     if num_actual_tokens is None:
         num_actual_tokens = qsl[-1]
@@ -96,7 +96,7 @@ def split_decodes_and_prefills(query_start_loc: list[int], decode_threshold: int
     if require_uniform:
         if all(q == qlen[0] or q == 0 for q in qlen):
             return all_decode                      # padded uniform batch
-        is_pref = [q != qlen[0] for q in qlen]
+        is_pref = [q != qlen[0] and q != 0 for q in qlen]   # vLLM 0.34: 0 rows are not prefills
     else:
         is_pref = [q > thr for q in qlen]
     if not any(is_pref):

@@ -44,13 +44,13 @@ def split_decodes_and_prefills_v2(qsl: list[int], num_actual_tokens: int, max_qu
     only when the flag is True). Returns (num_decodes, num_prefills, num_decode_tokens,
     num_prefill_tokens); T = num_actual_tokens (may include graph padding).
 
-    Empty batch (len(qsl) == 1) -> (0, 0, 0, 0). When the flag is False, `is_prefilling`
+    Empty batch (len(qsl) == 1) -> (0, 0, T, 0) (vLLM 0.34). When the flag is False, `is_prefilling`
     (one bool per request row, length R) is required: ValueError if missing or of another
     length (checked for every non-empty batch, i.e. also when rule 2 would exit first).
     """
     R = len(qsl) - 1
     if R <= 0:
-        return (0, 0, 0, 0)
+        return (0, 0, num_actual_tokens, 0)
     flag = treat_short_extends_as_decodes
     if not flag:
         if is_prefilling is None:
@@ -76,7 +76,7 @@ def split_decodes_and_prefills_v2(qsl: list[int], num_actual_tokens: int, max_qu
                 uniform = False
         if flag and uniform:
             return all_decodes
-        is_prefill = [ql[i] != ql[0] for i in range(R)]
+        is_prefill = [ql[i] != ql[0] and ql[i] != 0 for i in range(R)]   # vLLM 0.34
     else:
         is_prefill = [ql[i] > thr for i in range(R)]
     # rule 4

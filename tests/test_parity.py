@@ -8,6 +8,7 @@ import pytest
 
 import dsv4_cupy as d4
 
+import reference as ref
 import reference_upstream as upstream
 from conftest import GPU_KINDS, HAS_TORCH, HOST_KINDS, KINDS, to_kind, to_numpy
 from helpers import MAX_TOKENS, POISON, common_metadata, make_batch
@@ -20,7 +21,9 @@ HOST_ARRAYS = ["numpy"] + (["torch_cpu"] if HAS_TORCH else [])
 SPLIT_CASES = [   # qsl, T, threshold, uniform, is_prefilling, flag False, flag True
     ("S1", [0, 1, 2], 2, 1, True, [False, True], (1, 1, 1, 1), (2, 0, 2, 0)),
     ("S2", [0, 2, 4, 6, 8], 8, 2, False, [False, False, True, False], (2, 2, 4, 4), (4, 0, 8, 0)),
-    ("S3", [0, 2, 4, 6, 6], 8, 3, True, [False] * 4, (3, 1, 6, 2), (4, 0, 8, 0)),
+    # parity.md's S3 flag-False answer was (3, 1, 6, 2); vLLM 0.34 no longer
+    # counts a row of no tokens as a prefill under require_uniform.
+    ("S3", [0, 2, 4, 6, 6], 8, 3, True, [False] * 4, (4, 0, 8, 0), (4, 0, 8, 0)),
     ("S4", [0, 1, 1], 1, 1, False, [True, False], (0, 2, 0, 1), None),
     ("S5", [0, 2, 4, 5, 105], 105, 2, False, [False, True, False, True], (1, 3, 2, 103),
      (3, 1, 5, 100)),
@@ -310,3 +313,87 @@ def test_c128a_width_defaults_to_8192_without_a_sync():
                                             np.zeros(1, I32), np.zeros((1, 64), I32), 2,
                                             np.zeros(2, I64))
     assert gd.shape == (1, 8192) and pf.shape == (1, 8192)
+
+
+@pytest.mark.parametrize("query_lens, threshold, uniform, tokens, want", [
+    # vLLM 0.34's split (its own code, run on CPU; PARITY notes (g))
+    ([2, 2, 2, 0], 3, True, 8, (4, 0, 8, 0)),
+    ([2, 0, 2], 2, True, 4, (3, 0, 4, 0)),
+    ([0, 2, 2], 2, True, 4, (1, 2, 0, 4)),
+    ([0, 0], 2, True, 0, (2, 0, 0, 0)),
+    ([0, 3], 2, True, 3, (1, 1, 0, 3)),
+    ([0, 0, 5], 2, True, 5, (2, 1, 0, 5)),
+    ([1, 0, 1], 1, True, 2, (3, 0, 2, 0)),
+    ([2, 0, 1], 2, True, 3, (2, 1, 2, 1)),
+    ([2, 0, 3], 3, True, 5, (2, 1, 2, 3)),
+    ([2, 0, 3], 2, False, 5, (2, 1, 2, 3)),
+    ([0, 1, 1], 1, False, 2, (3, 0, 2, 0)),
+    ([], 1, False, 4, (0, 0, 4, 0)),
+])
+def test_split_is_vllm_034s(query_lens, threshold, uniform, tokens, want):
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(I32)
+    got = d4.split_decodes_and_prefills(qsl, threshold, uniform, num_actual_tokens=tokens)
+    assert got == want
+    assert ref.split_decodes_and_prefills(qsl.tolist(), threshold, uniform, tokens) == want
+
+
+def test_prefill_chunk_plan_has_compressed_is_vllm_034s():
+    """vLLM 0.34's get_prefill_chunk_plan (PARITY notes (f)): has_compressed
+    defaults to ratio > 1; True makes ratio-1 layers plan full-length rows."""
+    seq, query = [80, 96, 112, 128, 144], [4] * 5
+    assert d4.get_prefill_chunk_plan(seq, query, 4, 4, 64, 1024, 128) == [(0, 5, 36, 103)]
+    assert d4.get_prefill_chunk_plan(seq, query, 4, 4, 64, 1024, 128, has_compressed=True) \
+        == [(0, 5, 36, 103)]
+    plain = d4.get_prefill_chunk_plan(seq, query, 1, 4, 64, 1024, 128)
+    full = d4.get_prefill_chunk_plan(seq, query, 1, 4, 64, 1024, 128, has_compressed=True)
+    assert plain == [(0, 5, 0, 67)]
+    assert full == [(0, 5, 144, 144 + 67)]                 # N: the full-length rows
+    with pytest.raises(ValueError, match="compress_ratio: expected at least 1"):
+        d4.get_prefill_chunk_plan(seq, query, 0, 4, 64, 1024, 128, has_compressed=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dcp_local_seq_lens_takes_a_device_rank(kind):
+    """vLLM 0.34's get_dcp_local_seq_lens: an int32 rank array of the seq_lens'
+    kind (PARITY notes (i): s [0, 1, 7, 8, 17], W 4, r 2, I 2 -> [0, 0, 2, 2, 4])."""
+    seq = to_kind(np.array([0, 1, 7, 8, 17], I32), kind)
+    for rank in (2, to_kind(np.array(2, I32), kind), to_kind(np.array([2], I32), kind)):
+        got = d4.get_dcp_local_seq_lens(seq, 4, rank, 2)
+        np.testing.assert_array_equal(to_numpy(got), [0, 0, 2, 2, 4])
+    with pytest.raises(ValueError, match="dcp_rank: expected one int32 value"):
+        d4.get_dcp_local_seq_lens(seq, 4, to_kind(np.array([2], I64), kind), 2)
+    every = d4.get_dcp_local_seq_lens(seq, 4, None, 2)
+    np.testing.assert_array_equal(to_numpy(every), [[0, 0, 0, 0], [1, 0, 0, 0], [2, 2, 2, 1],
+                                                    [2, 2, 2, 2], [5, 4, 4, 4]])
+
+
+def _slices(chunks):
+    return [((r.start, r.stop), (q.start, q.stop)) for r, q in chunks]
+
+
+@pytest.mark.parametrize("keys, queries, workspace, budget, want", [
+    # vLLM 0.34's test_split_indexer_prefill_chunks, and PARITY notes (b)'s extras
+    ([0], [0], 100, 1000, []),
+    ([100, 100, 100], [10, 10, 10], 1000, 5000,
+     [((0, 1), (0, 10)), ((1, 2), (0, 10)), ((2, 3), (0, 10))]),
+    ([10, 10, 10], [5, 5, 5], 100, 10000, [((0, 3), (0, 15))]),
+    ([50, 50, 50], [1, 1, 1], 50, 1000000, [((0, 1), (0, 1)), ((1, 2), (0, 1)), ((2, 3), (0, 1))]),
+    ([10, 10, 10], [5, 5, 5], 100, 1000, [((0, 2), (0, 10)), ((2, 3), (0, 5))]),
+    ([10, 10, 10], [5, 0, 5], 100, 1000, [((0, 2), (0, 5)), ((2, 3), (0, 5))]),
+    ([300, 10], [4, 4], 100, 10 ** 9, [((0, 1), (0, 4)), ((1, 2), (0, 4))]),
+])
+def test_indexer_prefill_chunks_are_vllm_034s(keys, queries, workspace, budget, want):
+    assert _slices(d4.split_indexer_prefill_chunks(keys, queries, workspace, budget)) == want
+    shifted = d4.split_indexer_prefill_chunks(keys, queries, workspace, budget, request_offset=3)
+    assert _slices(shifted) == [((a + 3, b + 3), q) for (a, b), q in want]
+
+
+def test_indexer_prefill_chunks_single_request_overflow_and_fused_limits():
+    chunks = _slices(d4.split_indexer_prefill_chunks([1000, 50], [100, 5], 2000, 1000))
+    assert chunks == [((0, 1), (i, i + 1)) for i in range(100)] + [((1, 2), (0, 5))]
+    fused = d4.split_indexer_prefill_chunks([1000, 2000, 3000], [9000, 9000, 100], 10 ** 7, 4096,
+                                            fused_mqa_topk_eligible=True)
+    assert _slices(fused) == [((0, 1), (0, 9000)), ((1, 3), (0, 9100))]
+    assert d4.indexer_prefill_workspace_rows(1024, 1) == 40960
+    assert d4.indexer_prefill_workspace_rows(1024, 4) == 10240
+    assert d4.indexer_prefill_workspace_rows(1 << 20, 4) == 4194304

@@ -501,3 +501,29 @@ def test_more_requests_than_the_query_layout_names_num_reqs():
         cm.num_reqs = 5
     _refused(builder, cms, ValueError,
              r"num_reqs: expected at most len\(query_start_loc_cpu\) - 1 = 3 requests, got 5")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vllm_034s_upper_bound_and_decode_threshold(kind):
+    """seq_lens_cpu_upper_bound stands for seq_lens_cpu (vLLM 0.34 has only it),
+    and decode_threshold= sets the split's threshold directly."""
+    rng = np.random.default_rng(7)
+    like = to_kind(np.zeros(1, I32), kind)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS, combined_prefill=True,
+                                               num_speculative_tokens=SPEC, like=like)
+    cms = make_step(rng, 3, [40, 9], kind=kind)
+    want = builder.build(0, cms)
+    want_arrays = {f.name: to_numpy(getattr(want, f.name)) for f in dataclasses.fields(want)
+                   if f.name != "c128a" and getattr(want, f.name) is not None
+                   and not isinstance(getattr(want, f.name), (int, list))}
+    bound = cms["c128a"].seq_lens_cpu
+    cms["c128a"].seq_lens_cpu, cms["c128a"].seq_lens_cpu_upper_bound = None, bound
+    got = builder.build(0, cms)
+    for name, value in want_arrays.items():
+        np.testing.assert_array_equal(to_numpy(getattr(got, name)), value, err_msg=name)
+    assert got.c128a_prefill_chunks == want.c128a_prefill_chunks
+    wide = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS, decode_threshold=3,
+                                            like=like)
+    three = make_step(rng, 2, [3, 3], kind=kind)                # 3-token rows: decodes at 3
+    assert wide.build(0, three).num_prefills == 0
+    assert wide.c128a_group.decode_threshold == 3
