@@ -144,3 +144,13 @@ def float32_bits(value):
         return np.int64(0)
     fraction, exponent = math.frexp(np.float64(value))      # value = fraction * 2^exponent
     return np.int64(((exponent - 1 + 127) << 23) | np.int64((fraction * 2.0 - 1.0) * 2.0 ** 23))
+
+
+@njit(cache=True, inline="always")
+def cache_slot(slot, num_pages, block_size):
+    """``(page, state)`` of a slot of a paged cache; page -1 for a slot outside
+    the cache (-1 for padding), which is skipped (kernels/fp8.cuh's twin)."""
+    if slot < 0 or slot >= num_pages * block_size:
+        return np.int64(-1), np.int64(0)
+    page = slot // block_size
+    return page, slot - page * block_size

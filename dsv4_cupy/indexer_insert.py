@@ -29,13 +29,10 @@ PARAMS = Params("IndexerInsertParams", [
 def cpu_indexer_k_quant_and_cache(k, cache, slot_mapping, k_stride, page_stride, num_pages,
                                   block_size, num_tokens, scale_format):
     """Row t of k into slot slot_mapping[t]: kernels/indexer_cache.cuh's rule."""
-    capacity = num_pages * block_size
     for t in prange(num_tokens):
-        slot = np.int64(slot_mapping[t])
-        if slot < 0 or slot >= capacity:
+        page, r = fp8.cache_slot(np.int64(slot_mapping[t]), num_pages, block_size)
+        if page < 0:
             continue
-        page = slot // block_size
-        r = slot - page * block_size
         base = page * page_stride
         row = t * k_stride
         amax = 0

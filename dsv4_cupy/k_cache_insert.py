@@ -28,13 +28,10 @@ def cpu_quantize_and_insert_k_cache(k, cache, slot_mapping, k_stride, page_strid
                                     block_size, num_tokens):
     """Token t's row of k (bf16 bits) into slot slot_mapping[t] (skipped outside
     the cache): kernels/k_cache_insert.cuh's rule, value for value."""
-    capacity = num_pages * block_size
     for t in prange(num_tokens):
-        slot = np.int64(slot_mapping[t])
-        if slot < 0 or slot >= capacity:
+        page, r = fp8.cache_slot(np.int64(slot_mapping[t]), num_pages, block_size)
+        if page < 0:
             continue
-        page = slot // block_size
-        r = slot - page * block_size
         page_base = page * page_stride
         record = page_base + r * FP8_RECORD_BYTES
         row = t * k_stride
