@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 from . import checks, keys
 from .combine import combined_width, prefill_combine_launches
 from .geometry import WARP_LANES
-from .group import MAX_CACHED_VIEWS, KVCacheGroup, StepArrays
+from .group import MAX_CACHED_VIEWS, KVCacheGroup
 from .indexer_decode import indexer_decode_launch
 from .indexer_prefill import indexer_prefill_launch
 from .kinds import BOOL, GPU_KINDS, INT32, INT64, Operand, probe
@@ -21,31 +20,13 @@ from .slot_mapping import slot_mapping_launch
 from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_kernel import step_launch
-from .step_plan import (GROUPS, StepPlan, check_group_data, check_group_metadata, check_groups,
-                        prefill_plans)
+from .step_plan import (GROUPS, LAYOUT_SECTIONS, StepLayout, StepPlan, check_group_data,
+                        check_group_metadata, check_groups, prefill_plans)
 from .swa import swa_launch
 
 #: The C128A group's results (its other fields are the caller's arrays).
 _C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
                   "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
-#: The step kernel's sections that depend on a step's arrays and counts alone
-#: (not on its split or chunk plans): a layout's are described once.
-LAYOUT_SECTIONS = ("token_map", "group_slots", "swa", "c4a_slots", "indexer_slots",
-                   "short_context")
-
-
-class StepLayout(NamedTuple):
-    """What steps with the same arrays and counts share: their checks, the
-    sections that do not depend on the split (frozen, GPU) and the step
-    kernel's launch, repacked for each step."""
-
-    arrays: StepArrays
-    tables: dict
-    swa_slot_mapping: Operand
-    sections: dict               # name -> launch.FrozenLaunch, filled by the first build
-    launch: list                 # [the step kernel's PreparedLaunch], filled by the first build
-
-
 class DeepseekV4StepMetadataBuilder:
     """Builds every KV-cache group's metadata of a DeepSeek-V4 step: on the GPU
     one kernel launch per ``build`` (``kernels/step.cuh``), on the CPU the single

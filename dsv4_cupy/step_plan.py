@@ -4,6 +4,7 @@ rows), typed (``StepPlan``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,6 +19,24 @@ from .spec import C4A_RATIO, C128A_RATIO
 
 #: The KV-cache groups of a DeepSeek-V4 step, as the step builder takes them.
 GROUPS = ("swa", "c4a", "indexer", "c128a")
+
+
+#: The step kernel's sections that depend on a step's arrays and counts alone
+#: (not on its split or chunk plans): a layout's are described once.
+LAYOUT_SECTIONS = ("token_map", "group_slots", "swa", "c4a_slots", "indexer_slots",
+                   "short_context")
+
+
+class StepLayout(NamedTuple):
+    """What steps with the same arrays and counts share: their checks, the
+    sections that do not depend on the split (frozen, GPU) and the step
+    kernel's launch, repacked for each step."""
+
+    arrays: StepArrays
+    tables: dict
+    swa_slot_mapping: Operand
+    sections: dict               # name -> launch.FrozenLaunch, filled by the first build
+    launch: list                 # [the step kernel's PreparedLaunch], filled by the first build
 
 
 @dataclass
