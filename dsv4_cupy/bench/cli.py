@@ -7,8 +7,9 @@ reports GPU time (CUDA events, and CUDA-graph replay), host time per eager
 call, achieved GB/s against the write/copy ceilings and the empty-launch floor
 that it measures itself, and ratios against torch-eager (and vLLM's kernels
 when vLLM is importable). The per-layer and indexer ops (``layers.py``) are
-timed against Triton ports of upstream's kernels. CPU case: numba against
-NumPy for 16384 tokens at W = 8192. Writes JSON and a PNG plot.
+timed against Triton ports of upstream's kernels, and so are the fp8 cache
+ops (``kv_cache.py``). CPU case: numba against NumPy for 16384 tokens at
+W = 8192. Writes JSON and a PNG plot.
 """
 from __future__ import annotations
 
