@@ -175,9 +175,14 @@ def output(name: str, op: Operand | None, kind: str, device: int, dtype: np.dtyp
                               f"({size / 2**30:.1f} GiB) as {KIND_TEXT[kind]}; check the sizes "
                               f"that set its shape, or pass a buffer") from None
     check(op, (dtype,), len(shape), min_len=rows, min_cols=cols)
-    if op.kind == NUMPY and not op.array.flags.writeable:
-        raise ValueError(f"{name}: expected a writable array, got a read-only one")
+    check_writable(op)
     return op
+
+
+def check_writable(op: Operand) -> None:
+    """An array a kernel writes must be writable (a read-only numpy view is refused)."""
+    if op.kind == NUMPY and not op.array.flags.writeable:
+        raise ValueError(f"{op.name}: expected a writable array, got a read-only one")
 
 
 def check_row_width(name: str, value, minimum: int = 0) -> int:

@@ -5,7 +5,7 @@ Each family's kernel lives in its family's module, beside its struct. It
 takes, by name, the fields of that struct that it reads, a field group as its
 record (``params.QueryLayout``, ...), as ``launch.Launch.run_cpu`` hands them:
 arrays the ops already checked, as ``host.kernel_view`` and
-``kernel_view_2d`` give them (1-D, contiguous and writable; a 2-D array as its
+``kernel_view_flat`` give them (1-D, contiguous and writable; a 2-D array as its
 flat view, its row stride a field of its own), so any row stride or
 read-only input hits a signature ``warmup()`` compiled, and ints as int64.
 An absent array (a null pointer on the GPU) is an empty one. Integer division

@@ -58,8 +58,7 @@ def bf16_bits(value):
     """float64 ``value`` rounded to bf16, as uint16 bits; NaN gives 0x7FC0."""
     if value != value:
         return np.uint16(BF16_NAN)
-    sign = 0x8000 if (value < 0.0 or (value == 0.0 and math.copysign(1.0, value) < 0.0)) \
-        else 0
+    sign = 0x8000 if math.copysign(1.0, value) < 0.0 else 0      # -0 too
     magnitude = abs(value)
     if magnitude == math.inf:
         return np.uint16(sign | 0x7F80)
@@ -81,8 +80,7 @@ def e4m3_bits(value):
     gives 0x7F and a magnitude that rounds past 448 saturates at it."""
     if value != value:
         return np.uint8(E4M3_NAN)
-    sign = 0x80 if (value < 0.0 or (value == 0.0 and math.copysign(1.0, value) < 0.0)) \
-        else 0
+    sign = 0x80 if math.copysign(1.0, value) < 0.0 else 0      # -0 too
     magnitude = abs(value)
     if magnitude < 2.0 ** -6:                    # subnormal: multiples of 2^-9
         return np.uint8(sign | np.int64(np.rint(magnitude * 512.0)))

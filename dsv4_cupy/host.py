@@ -35,32 +35,15 @@ def kernel_view(x, kind: str) -> np.ndarray:
 def kernel_view_flat(x, kind: str) -> np.ndarray:
     """A checked n-D host array (last axis contiguous, any other strides) as the
     numba kernels take it: the flat 1-D view from its first element to its
-    last; element ``[i, j, k]`` is ``flat[i * s0 + j * s1 + k]`` (strides in
-    elements)."""
+    last, writable (a read-only input is aliased, never written); element
+    ``[i, j, k]`` is ``flat[i * s0 + j * s1 + k]`` (strides in elements)."""
     view = host_view(x, kind)
-    if view.ndim == 2:
-        return kernel_view_2d(x, kind)[0]
     if not view.flags.writeable:
         view = np.asarray(_WritableAlias(view))
     itemsize = view.itemsize
     length = 0 if 0 in view.shape else 1 + sum((n - 1) * s // itemsize
                                                for n, s in zip(view.shape, view.strides))
     return np.lib.stride_tricks.as_strided(view, shape=(length,), strides=(itemsize,))
-
-
-def kernel_view_2d(x, kind: str) -> tuple[np.ndarray, np.int64]:
-    """A checked 2-D host array (contiguous rows, any row stride) as the numba
-    kernels take it: ``(flat 1-D view from the first element to the last, row
-    stride in elements)``; element ``[r, c]`` is ``flat[r * stride + c]``."""
-    view = host_view(x, kind)
-    if not view.flags.writeable:
-        view = np.asarray(_WritableAlias(view))
-    rows, cols = view.shape
-    itemsize = view.itemsize
-    stride = view.strides[0] // itemsize if rows > 1 else cols
-    length = (rows - 1) * stride + cols if rows and cols else 0
-    flat = np.lib.stride_tricks.as_strided(view, shape=(length,), strides=(itemsize,))
-    return flat, np.int64(stride)
 
 
 def host_view(x, kind: str) -> np.ndarray:

@@ -249,8 +249,7 @@ def _check_common(ops: dict, kind: str, device: int, table_name: str = "block_ta
                               or any(s % OUT_ROW_ALIGNMENT for s in rows_out.strides[:2])):
         raise ValueError(f"out: expected rows at 16-byte aligned addresses (strides multiples "
                          f"of {OUT_ROW_ALIGNMENT}), got strides {tuple(rows_out.strides)}")
-    if rows_out.kind == "numpy" and not rows_out.array.flags.writeable:
-        raise ValueError("out: expected a writable array, got a read-only one")
+    checks.check_writable(rows_out)
     return rows_out, seq, table
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import checks
-from .kinds import (CUPY, GPU_KINDS, NUMPY, TORCH_CPU, TORCH_CUDA, UINT8, Operand, describe,
+from .kinds import (CUPY, GPU_KINDS, TORCH_CPU, TORCH_CUDA, UINT8, Operand, describe,
                     full_like_kind, kind_of, probe)
 from .scalars import check_choice, check_int
 from .spec import (C4A_BLOCK_SIZE, C128A_BLOCK_SIZE, FP8_DS_MLA_BYTES_PER_TOKEN,
@@ -150,8 +150,7 @@ def check_pages(name: str, cache, kind: str, device: int, block_size: int | None
         raise ValueError(f"{name}: expected pages at addresses and strides that are multiples "
                          f"of {PAGE_ADDRESS_ALIGNMENT} bytes, got address {op.ptr:#x} and "
                          f"page stride {page_stride}")
-    if kind == NUMPY and not op.array.flags.writeable:
-        raise ValueError(f"{name}: expected a writable array, got a read-only one")
+    checks.check_writable(op)
     return CachePages(op, page_stride, num_pages, block_size)
 
 

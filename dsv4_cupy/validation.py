@@ -318,18 +318,7 @@ def gather_rows(seq_lens, gather_lens, block_table, kind: str, num_reqs: int, bl
 def indexer_gather_rows(cu_seq_lens, block_table, kind: str, block_size: int, num_pages: int,
                         num_cache_blocks: int | None) -> None:
     """The blocks an indexer gather reads inside the table row and the cache."""
-    cu = _host_int64(cu_seq_lens, kind)
-    table = host.host_copy(block_table, kind)
+    requests = block_table.shape[0]
+    lengths = np.diff(_host_int64(cu_seq_lens, kind)[:requests + 1])
     blocks = num_pages if num_cache_blocks is None else min(num_pages, num_cache_blocks)
-    for b in range(table.shape[0]):
-        length = int(cu[b + 1] - cu[b])
-        if length <= 0:
-            continue
-        last = (length - 1) // block_size
-        if last >= table.shape[1]:
-            raise ValueError(f"block_table: request {b} reads block column {last}, the table "
-                             f"rows have {table.shape[1]}")
-        entries = table[b, :last + 1]
-        if entries.min() < 0 or entries.max() >= blocks:
-            raise ValueError(f"block_table: expected entries in [0, {blocks}) for the blocks "
-                             f"request {b} reads, got {int(entries.min())}..{int(entries.max())}")
+    block_columns(block_table, kind, np.arange(requests), lengths, block_size, blocks, "request")

@@ -437,6 +437,21 @@ def test_bad_input_is_refused_before_any_write(kind):
     assert (to_numpy(out) == POISON_BF16).all()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_validation_of_the_indexer_gather_names_the_block(kind):
+    cache = indexer_pages(kind, 2, 16)
+    dst_k = to_kind(np.full((20, 128), 123, U8), kind)
+    dst_scale = to_kind(np.full((20, 4), 123, U8), kind)
+    cu = to_kind(np.array([0, 20], I32), kind)
+    for table, match in (([[0]], r"block_table: request 0 needs 2 blocks, the table rows have 1"),
+                         ([[0, 2]], r"block_table: expected entries in \[0, 2\)")):
+        with pytest.raises(ValueError, match=match):
+            d4.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale,
+                                               to_kind(np.array(table, I32), kind), cu,
+                                               validate="full")
+    assert (to_numpy(dst_k) == 123).all() and (to_numpy(dst_scale) == 123).all()
+
+
 @pytest.mark.skipif(not HAS_TORCH, reason="torch bf16 tensors need torch")
 def test_torch_bf16_and_fp8_tensors_are_taken_as_their_bits():
     import torch
