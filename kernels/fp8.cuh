@@ -69,4 +69,19 @@ __device__ __forceinline__ unsigned short dequantized_bf16(unsigned char value, 
     return __bfloat16_as_ushort(__double2bfloat16(scaled));
 }
 
+// Where a cache slot lives: its page and its row in the page. False for a
+// slot outside the cache (-1 marks a padding token): nothing is written then.
+struct CacheSlot {
+    unsigned char* page;
+    i64 row;
+};
+__device__ __forceinline__ bool cache_slot(unsigned char* cache, i64 page_stride, i64 num_pages,
+                                           i64 block_size, i64 slot, CacheSlot& at) {
+    if (slot < 0 || slot >= num_pages * block_size) return false;
+    const i64 page = quotient(slot, block_size);
+    at.page = cache + page * page_stride;
+    at.row = slot - page * block_size;
+    return true;
+}
+
 }  // namespace dsv4

@@ -49,12 +49,10 @@ __device__ __forceinline__ void indexer_k_quant_and_cache(const IndexerInsertPar
                                                           const Blocks& blocks = whole_grid()) {
     const SlotT* __restrict__ slots = static_cast<const SlotT*>(p.slot_mapping);
     const WarpRows rows(blocks);
-    const i64 capacity = p.num_pages * p.block_size;
     for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
-        const i64 slot = (i64)slots[t];
-        if (slot < 0 || slot >= capacity) continue;
-        const i64 page = quotient(slot, p.block_size), r = slot - page * p.block_size;
-        unsigned char* page_base = p.cache + page * p.page_stride;
+        CacheSlot at;
+        if (!cache_slot(p.cache, p.page_stride, p.num_pages, p.block_size, (i64)slots[t], at))
+            continue;
         const uint2 pair = reinterpret_cast<const uint2*>(p.k + t * p.k_stride)[rows.lane];
         const unsigned short bits[4] = {(unsigned short)pair.x, (unsigned short)(pair.x >> 16),
                                         (unsigned short)pair.y, (unsigned short)(pair.y >> 16)};
@@ -79,10 +77,10 @@ __device__ __forceinline__ void indexer_k_quant_and_cache(const IndexerInsertPar
             const float v = bf16_value(bits[d]) / scale;
             packed |= (unsigned)(v != v ? kE4m3Nan : e4m3_bits(v)) << (8 * d);
         }
-        reinterpret_cast<unsigned*>(page_base + r * DSV4_INDEXER_DIM)[rows.lane] = packed;
+        reinterpret_cast<unsigned*>(at.page + at.row * DSV4_INDEXER_DIM)[rows.lane] = packed;
         if (rows.lane == 0) {
             const unsigned scale_bits = __float_as_uint(scale);
-            *reinterpret_cast<unsigned*>(page_base + p.block_size * DSV4_INDEXER_DIM + r * 4) =
+            *reinterpret_cast<unsigned*>(at.page + p.block_size * DSV4_INDEXER_DIM + at.row * 4) =
                 p.scale_format == kScaleUe8m0Bytes ? ((scale_bits >> 23) & 0xFFu) * 0x01010101u : scale_bits;
         }
     }

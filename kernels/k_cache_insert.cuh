@@ -41,13 +41,11 @@ __device__ __forceinline__ void quantize_and_insert_k_cache(const KCacheInsertPa
                   "two dims of a tile, and of the RoPE part, per lane");
     const SlotT* __restrict__ slots = static_cast<const SlotT*>(p.slot_mapping);
     const WarpRows rows(blocks);
-    const i64 capacity = p.num_pages * p.block_size;
     for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
-        const i64 slot = (i64)slots[t];
-        if (slot < 0 || slot >= capacity) continue;
-        const i64 page = quotient(slot, p.block_size), r = slot - page * p.block_size;
-        unsigned char* __restrict__ page_base = p.cache + page * p.page_stride;
-        unsigned char* __restrict__ record = page_base + r * DSV4_FP8_RECORD;
+        CacheSlot at;
+        if (!cache_slot(p.cache, p.page_stride, p.num_pages, p.block_size, (i64)slots[t], at))
+            continue;
+        unsigned char* __restrict__ record = at.page + at.row * DSV4_FP8_RECORD;
         const unsigned* __restrict__ row = reinterpret_cast<const unsigned*>(p.k + t * p.k_stride);
         // Every load of the row first: the stores below cannot hold them up.
         unsigned pairs[kNopeTiles];
@@ -73,8 +71,8 @@ __device__ __forceinline__ void quantize_and_insert_k_cache(const KCacheInsertPa
         // The RoPE dims, copied as they are.
         reinterpret_cast<unsigned*>(record + DSV4_NOPE_DIM)[rows.lane] = rope;
         if (rows.lane == 0)
-            *reinterpret_cast<unsigned long long*>(page_base + p.block_size * DSV4_FP8_RECORD
-                                                   + r * DSV4_SCALE_RECORD) = scales;
+            *reinterpret_cast<unsigned long long*>(at.page + p.block_size * DSV4_FP8_RECORD
+                                                   + at.row * DSV4_SCALE_RECORD) = scales;
     }
 }
 
