@@ -14,6 +14,7 @@ from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingErro
                      UnsupportedDeviceError)
 from .global_topk import compute_global_topk_indices_and_lens
 from .indexer_decode import build_indexer_decode_metadata
+from .indexer_native_decode import build_indexer_native_decode_metadata
 from .indexer_gather import cp_gather_indexer_k_quant_cache
 from .indexer_insert import indexer_k_quant_and_cache
 from .indexer_prefill import build_indexer_prefill_chunk_metadata
@@ -50,7 +51,8 @@ __all__ = [
     "compute_swa_indices_and_lens", "compute_global_topk_indices_and_lens",
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "compute_prefill_gather_lens",
     "get_prefill_chunk_plan", "build_indexer_prefill_chunk_metadata",
-    "build_indexer_decode_metadata", "c4a_layer_topk", "build_c128a_combined_prefill_rows",
+    "build_indexer_decode_metadata", "build_indexer_native_decode_metadata", "c4a_layer_topk",
+    "build_c128a_combined_prefill_rows",
     "set_programmatic_launch", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
     "dequantize_and_gather_prefill_kv", "indexer_k_quant_and_cache",
     "cp_gather_indexer_k_quant_cache", "KVCacheLayout", "kv_cache_layout", "kv_cache_view",

@@ -230,6 +230,15 @@ def rows_of(op: Operand, start: int, stop: int) -> Operand:
                    op.ptr + start * op.strides[0] * op.dtype.itemsize)
 
 
+def as_rows(op: Operand, rows: int, row_length: int) -> Operand:
+    """The first ``rows * row_length`` elements of a contiguous 1-D array as
+    ``[rows, row_length]`` (no view made on the device kinds, as ``rows_of``)."""
+    array = op.array[:rows * row_length].reshape(rows, row_length) \
+        if op.kind not in GPU_KINDS else None
+    return Operand(op.name, array, op.kind, op.device, op.dtype, (rows, row_length),
+                   (row_length, 1), op.ptr)
+
+
 def is_same_rows(output: Operand, source: Operand) -> bool:
     """Whether row t of ``output`` is row t of ``source`` (an in-place call)."""
     if output.ptr != source.ptr:

@@ -21,9 +21,10 @@ from .spec import MAX_BLOCK_SIZE, combined_width
 
 PARAMS = Params("CombineParams", [
     ("query", QUERY_LAYOUT), ("gather_lens", PTR), ("topk_indices", PTR), ("out", PTR),
-    ("lens", PTR), ("topk_stride", I64), ("out_stride", I64), ("width", I64),
-    ("num_tokens", I64), ("window_size", I64), ("ratio", I64), ("topk", I64),
-    ("rows_per_request", I64), ("swa_offset", I64)])
+    ("lens", PTR), ("left_visible", PTR), ("right_visible", PTR), ("topk_stride", I64),
+    ("out_stride", I64), ("width", I64), ("num_tokens", I64), ("window_size", I64),
+    ("image_width", I64), ("ratio", I64), ("topk", I64), ("rows_per_request", I64),
+    ("swa_offset", I64)])
 PREFILL_PLAN = Group("PrefillPlan", [
     ("chunks", I64), ("first_request", Array(I32, MAX_PLAN_CHUNKS)),
     ("rows_per_request", Array(I32, MAX_PLAN_CHUNKS)),
@@ -35,13 +36,15 @@ PREFILL_COMBINE = Params("PrefillCombineParams", [("rows", PARAMS), ("lanes", I6
 
 
 @ParallelKernel
-def cpu_combine_topk_swa_indices(query, gather_lens, topk_indices, out, lens, topk_stride,
-                             out_stride, width, num_tokens, window_size, ratio, topk,
-                             rows_per_request, swa_offset):
+def cpu_combine_topk_swa_indices(query, gather_lens, topk_indices, out, lens, left_visible,
+                                 right_visible, topk_stride, out_stride, width, num_tokens,
+                                 window_size, image_width, ratio, topk, rows_per_request,
+                                 swa_offset):
     """The hardened V4.1 combine (see kernels/combine.cuh). Without
     ``topk_indices`` (empty) the compressed entries are C128A's local prefill
     rows, ``x = k``; without ``gather_lens`` (empty) a request's gather length
-    is computed."""
+    is computed; with ``image_width`` the window widens by each token's image
+    visibility."""
     qsl, seq_lens, num_reqs = query
     first = np.int64(qsl[0])
     total = np.int64(qsl[num_reqs]) - first if num_reqs > 0 else 0
@@ -65,8 +68,11 @@ def cpu_combine_topk_swa_indices(query, gather_lens, topk_indices, out, lens, to
             gathered = (np.int64(gather_lens[b]) if gather_lens.shape[0] > 0
                          else gather_len(qe - qs, seq_len, window_size))
             gather_start = seq_len - gathered
-            swa_start = max(position - window_size + 1, 0, gather_start)
-            swa_len = max(position - swa_start + 1, 0)
+            left = np.int64(left_visible[t]) if image_width > 0 else 0
+            right = np.int64(right_visible[t]) if image_width > 0 else 0
+            left_extra = max(left - (window_size - 1), 0)
+            swa_start = max(position - window_size + 1 - left_extra, 0, gather_start)
+            swa_len = min(max(position + right - swa_start + 1, 0), window_size + image_width)
             first_row = request_base + swa_offset + (swa_start - gather_start)
             for i in range(swa_len):
                 out[row + topk_len + i] = np.int32(first_row + i)
@@ -89,7 +95,8 @@ _C128A_ROWS = PreparedOp("build_c128a_combined_prefill_rows")
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
                              window_size: int, compress_ratio: int, topk: int, M: int, N: int,
-                             *, out=None, validate: str = "default"):
+                             out=None, left_visible=None, right_visible=None,
+                             max_image_tokens: int = 0, *, validate: str = "default"):
     """Compressed top-k entries then the sliding window, as rows into a chunk's workspace.
 
     vLLM's ``combine_topk_swa_indices`` in its hardened
@@ -121,6 +128,13 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         gathered SWA tokens start (``N = max compressed``, ``M = N + max gather``).
     out : ``(indices, lens)``, optional
         int32 ``[>= T, >= C]`` and ``[>= T]``; only the result region is written.
+    left_visible, right_visible : int32 arrays ``[>= T]``, optional
+        Image visibility of the chunk's tokens (chunk-local rows; vLLM's
+        ``prefill_left_visible[ndt + start:ndt + end]``): the image positions
+        a token sees before its window and after itself. Both or neither.
+    max_image_tokens : int
+        Widens the rows (``C`` below); the window part holds at most
+        ``W + max_image_tokens`` entries when visibility is given.
     validate : "default" or "full"
         "full" also checks (a sync on GPU) the chunk's query layout, a row for
         every chunk token, ``gather_lens`` at least ``q + min(L - q, W - 1)``
@@ -128,28 +142,33 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
 
     Returns
     -------
-    ``(indices [T, C] int32, lens [T] int32)`` with ``C = round_up(topk + W, 128)``.
-    Token ``t`` of request ``b`` at position ``p = L - q + j``: ``k_len =
+    ``(indices [T, C] int32, lens [T] int32)`` with ``C = round_up(topk + W +
+    max_image_tokens, 128)``. Token ``t`` of request ``b`` at position ``p = L
+    - q + j``, seeing ``l, r`` image positions (0 without images): ``k_len =
     min(max((p + 1) // ratio, 0), topk)`` entries ``x + M * b`` (``x`` the
     row's entry; -1 unless ``0 <= x < N``, still counted), then ``s_len =
-    max(p - s + 1, 0)`` entries ``M * b + N + (s - g0) + i`` with
-    ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1, 0, g0)``, then -1;
-    ``lens = k_len + s_len``. Values are int32 (wrapping).
+    min(max(p + r - s + 1, 0), W + max_image_tokens)`` entries ``M * b + N +
+    (s - g0) + i`` with ``g0 = L - gather_lens[b]`` and ``s = max(p - W + 1 -
+    max(l - W + 1, 0), 0, g0)``, then -1; ``lens = k_len + s_len``. Values are
+    int32 (wrapping).
     """
     key, results = _OP.replay(validate, out, topk_indices, query_start_loc, seq_lens,
-                              gather_lens, window_size, compress_ratio, topk, M, N)
+                              gather_lens, window_size, compress_ratio, topk, M, N,
+                              left_visible, right_visible, max_image_tokens)
     if results is not None:
         return results
     if topk_indices is None:
         raise TypeError("topk_indices: expected an int32 array [T, >= topk], got None (C128A "
                         "layers: build_c128a_combined_prefill_rows needs no input rows)")
     return _OP.run(key, check_combine(topk_indices, query_start_loc, seq_lens, gather_lens,
-                                      window_size, compress_ratio, topk, M, N, out, validate))
+                                      window_size, compress_ratio, topk, M, N, out, validate,
+                                      images=(left_visible, right_visible, max_image_tokens)))
 
 
 def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens, gather_lens,
                                       window_size: int, compress_ratio: int, topk: int, M: int,
-                                      N: int, *, out=None, validate: str = "default"):
+                                      N: int, out=None, left_visible=None, right_visible=None,
+                                      max_image_tokens: int = 0, *, validate: str = "default"):
     """The combined prefill rows of every C128A layer of a step, built once.
 
     Equal to ``combine_topk_swa_indices(local, query_start_loc, seq_lens,
@@ -170,33 +189,40 @@ def build_c128a_combined_prefill_rows(num_tokens: int, query_start_loc, seq_lens
         As for ``combine_topk_swa_indices``; ``topk`` is the C128A width.
     out : ``(indices, lens)``, optional
         int32 ``[>= num_tokens, >= C]`` and ``[>= num_tokens]``.
-    validate : "default" or "full"
+    left_visible, right_visible, max_image_tokens, validate
         As for ``combine_topk_swa_indices``.
 
     Returns
     -------
-    ``(indices [num_tokens, C] int32, lens [num_tokens] int32)``, ``C = round_up(topk + W, 128)``.
+    ``(indices [num_tokens, C] int32, lens [num_tokens] int32)``, ``C = round_up(topk + W +
+    max_image_tokens, 128)``.
     """
     key, results = _C128A_ROWS.replay(validate, out, num_tokens, query_start_loc, seq_lens,
-                                      gather_lens, window_size, compress_ratio, topk, M, N)
+                                      gather_lens, window_size, compress_ratio, topk, M, N,
+                                      left_visible, right_visible, max_image_tokens)
     if results is not None:
         return results
     return _C128A_ROWS.run(key, check_combine(None, query_start_loc, seq_lens, gather_lens,
                                               window_size, compress_ratio, topk, M, N, out,
-                                              validate, num_tokens=num_tokens))
+                                              validate, num_tokens=num_tokens,
+                                              images=(left_visible, right_visible,
+                                                      max_image_tokens)))
 
 
 def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
                   compress_ratio, topk, M, N, out, validate, num_tokens=None,
-                  lanes=None) -> Checked:
+                  lanes=None, images=(None, None, 0)) -> Checked:
     """The checks of ``combine_topk_swa_indices``, and its launch.
     ``topk_indices=None`` stands for C128A's local prefill rows (``x = k``) of
     ``num_tokens`` tokens, which the kernel computes instead of reading.
-    ``lanes``: threads per row of a fused kernel (default ``geometry.combine_lanes``)."""
+    ``lanes``: threads per row of a fused kernel (default ``geometry.combine_lanes``).
+    ``images``: ``(left_visible, right_visible, max_image_tokens)``."""
     indices_out, lens_out = checks.out_buffers(out, ("indices", "lens"))
+    left_visible, right_visible, max_image_tokens = images
     kind, device, ops = probe_all({
         "topk_indices": topk_indices, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
-        "gather_lens": gather_lens, "out[0]": indices_out, "out[1]": lens_out})
+        "gather_lens": gather_lens, "out[0]": indices_out, "out[1]": lens_out,
+        "left_visible": left_visible, "right_visible": right_visible})
     topk_op, qsl, seq, gather = (ops["topk_indices"], ops["query_start_loc"], ops["seq_lens"],
                                  ops["gather_lens"])
     window_size = checks.check_row_width("window_size", window_size, minimum=1)
@@ -205,6 +231,12 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
                                maximum=MAX_BLOCK_SIZE)
     M = check_int("M", M, minimum=0, maximum=np.iinfo(np.int32).max)   # values are int32
     N = check_int("N", N, minimum=0, maximum=M)
+    max_image_tokens = checks.check_row_width("max_image_tokens", max_image_tokens)
+    left, right = ops["left_visible"], ops["right_visible"]
+    if (left is None) != (right is None):
+        missing = "right_visible" if right is None else "left_visible"
+        raise ValueError(f"{missing}: expected an int32 array with the other visibility, "
+                         f"got None")
     if topk_op is not None:
         checks.check(topk_op, (INT32,), 2, min_cols=topk)
         num_tokens = topk_op.shape[0]
@@ -214,29 +246,45 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     num_reqs = qsl.shape[0] - 1
     checks.check(seq, (INT32,), 1, min_len=num_reqs)
     checks.check(gather, (INT32,), 1, min_len=num_reqs)
-    width = combined_width(topk, window_size)
+    for visible in (left, right):
+        if visible is not None:
+            checks.check(visible, (INT32,), 1, min_len=num_tokens)
+    width = combined_width(topk, window_size, max_image_tokens)
     indices = checks.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
     lens = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
-    checks.check_no_alias([indices, lens],
-                          [op for op in (topk_op, qsl, seq, gather) if op is not None])
+    checks.check_no_alias([indices, lens], [op for op in (topk_op, qsl, seq, gather, left, right)
+                                            if op is not None])
     if validation.check_mode(validate):
         validation.combine_inputs(query_start_loc, seq_lens, gather_lens, kind, num_tokens,
                                   window_size, M, N)
     results = indices.array[:num_tokens, :width], lens.array[:num_tokens]
     launch = combine_launch(QueryLayout(qsl, seq, num_reqs), gather, topk_op, indices, lens,
-                            num_tokens, window_size, compress_ratio, topk, M, N, device, lanes)
+                            num_tokens, window_size, compress_ratio, topk, M, N, device, lanes,
+                            max_image_tokens,
+                            ImageVisibility(left, right) if left is not None else None)
     return Checked(kind, device, results, (launch,), results)
+
+
+class ImageVisibility(NamedTuple):
+    """Each token's view of the image spans around it (vLLM's visibility kernel)."""
+
+    left: Operand                # [num_tokens] int32: image positions seen before the window
+    right: Operand               # [num_tokens] int32: image positions seen after the token
 
 
 def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices: Operand | None,
                    out: Operand, lens: Operand, num_tokens: int, window_size: int,
                    compress_ratio: int, topk: int, rows_per_request: int, swa_offset: int,
-                   device: int, lanes: int | None = None) -> Launch:
+                   device: int, lanes: int | None = None, max_image_tokens: int = 0,
+                   images: ImageVisibility | None = None) -> Launch:
     """The combined rows of a chunk's ``num_tokens`` tokens; without
     ``topk_indices`` C128A's local prefill rows, without ``gather_lens`` the
-    gather lengths computed; ``device`` -1 for the CPU. ``lanes``: threads per
-    row, a fused kernel's (default ``geometry.combine_lanes``)."""
-    width = combined_width(topk, window_size)
+    gather lengths computed, without ``images`` no image visibility (the rows
+    are as wide with ``max_image_tokens`` either way); ``device`` -1 for the
+    CPU. ``lanes``: threads per row, a fused kernel's (default
+    ``geometry.combine_lanes``)."""
+    width = combined_width(topk, window_size, max_image_tokens)
+    image_width = 0 if images is None else max_image_tokens
     variant = {}
     if lanes is None:       # the family's own entry point (a fused kernel has its own)
         lanes = geometry.combine_lanes(width)
@@ -246,10 +294,11 @@ def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices
         FAMILY, geometry.row_lane_blocks(num_tokens, lanes) if device >= 0 and num_tokens else 0,
         dict(query=query, gather_lens=_NO_ARRAY if gather_lens is None else gather_lens,
              topk_indices=_NO_ARRAY if topk_indices is None else topk_indices, out=out,
-             lens=lens,
+             lens=lens, left_visible=_NO_ARRAY if images is None else images.left,
+             right_visible=_NO_ARRAY if images is None else images.right,
              topk_stride=0 if topk_indices is None else checks.row_stride(topk_indices),
              out_stride=checks.row_stride(out), width=width, num_tokens=num_tokens,
-             window_size=window_size, ratio=compress_ratio, topk=topk,
+             window_size=window_size, image_width=image_width, ratio=compress_ratio, topk=topk,
              rows_per_request=rows_per_request, swa_offset=swa_offset),
         variant=variant, kernel=cpu_combine_topk_swa_indices)
 

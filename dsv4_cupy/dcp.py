@@ -40,16 +40,6 @@ def check_cp(world_size, rank, interleave, *, block_size: int | None = None,
     return ContextParallel(world, rank, interleave)
 
 
-def merge_aliases(name: str, value, alias: str, alias_value, default):
-    """``value`` or its ``dcp_*`` alias; both given and different is an error."""
-    if alias_value is None:
-        return default if value is None else value
-    if value is not None and value != alias_value:
-        raise ValueError(f"{alias}: conflicts with {name} ({alias}={alias_value!r}, "
-                         f"{name}={value!r}); pass one of them")
-    return alias_value
-
-
 def get_dcp_local_seq_lens(seq_lens, dcp_size: int = 1, dcp_rank: int | None = None,
                            cp_kv_cache_interleave_size: int = 1):
     """Rows of each sequence that DCP rank ``dcp_rank`` stores.

@@ -20,6 +20,7 @@ MODULE_NAMES = (
     "prefill_gather",
     "indexer_prefill",
     "indexer_decode",
+    "indexer_native_decode",
     "c4a_layer",
     "step_kernel",
     "k_cache_insert",

@@ -35,11 +35,12 @@ def warp_pieces(columns: int) -> int:
     return max(cdiv(columns, WARP_PIECE), 1)
 
 
-def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int) -> int:
+def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int, num_reqs: int) -> int:
     """Blocks of the indexer's decode metadata: a warp per piece of each token's
-    block-table row, and threads to zero the length buffer past num_tokens."""
+    block-table row, and threads to zero the length buffer past num_tokens and
+    to write each request's query length."""
     return elementwise_blocks(max(num_tokens * warp_pieces(columns) * WARP_LANES,
-                                  lengths - num_tokens))
+                                  lengths - num_tokens, num_reqs))
 
 
 #: Threads per row of the SWA and short-context rows: a warp, or for few rows four warps.

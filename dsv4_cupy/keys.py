@@ -58,8 +58,9 @@ def owned_state_reader(x) -> tuple:
 class ViewCache:
     """Views of a builder's own buffers, cached: slicing a torch tensor costs
     more host time than a whole prepared build. A view is
-    ``buffer[start:stop]``, ``buffer[start:stop, :cols]`` or, with
-    ``unit_axis``, ``buffer[start:stop, None, :cols]``. A cached view that the
+    ``buffer[start:stop]``, ``buffer[start:stop, :cols]``, with ``unit_axis``
+    ``buffer[start:stop, None, :cols]`` or, with ``row_length``, the elements
+    ``buffer[start:stop]`` as rows of that length. A cached view that the
     caller changed in place (``owned_state_reader``) is replaced, never handed
     out again; past ``capacity`` views the cache starts over."""
 
@@ -70,14 +71,17 @@ class ViewCache:
         self._views: dict = {}
 
     def get(self, buffer, start: int, stop: int, cols: int | None = None,
-            unit_axis: bool = False):
-        key = (id(buffer), start, stop, cols, unit_axis)     # the builder keeps its buffers
+            unit_axis: bool = False, row_length: int | None = None):
+        # The builder keeps its buffers: their ids are theirs for its life.
+        key = (id(buffer), start, stop, cols, unit_axis, row_length)
         cached = self._views.get(key)
         if cached is not None:
             view, watched, read, state = cached
             if read(watched) == state:
                 return view
-        if unit_axis:
+        if row_length is not None:
+            view = buffer[start:stop].reshape(-1, row_length)
+        elif unit_axis:
             view = buffer[start:stop, None, :cols]
         else:
             view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]

@@ -94,7 +94,8 @@ class DeepseekV4StepMetadata:
     mappings, int64 ``[T]``: ``c4a_slot_mapping``, ``indexer_slot_mapping``,
     ``c128a.slot_mapping``. Indexer decode (``build_indexer_decode_metadata``
     over the decode requests): ``indexer_context_lens``, ``indexer_req_ids``,
-    ``indexer_decode_lens`` ``[Td]``, ``indexer_block_rows [Td, cols]``.
+    ``indexer_decode_lens`` ``[Td]``, ``indexer_block_rows [Td, cols]``,
+    ``indexer_per_req_decode_lens [D]`` (D the decode requests).
     Indexer prefill (``build_indexer_prefill_chunk_metadata`` over all
     prefill requests as one chunk): ``indexer_cu_compressed [P + 1]``,
     ``indexer_token_to_seq [sum L // 4]``, ``indexer_cu_seqlen_ks``,
@@ -129,6 +130,7 @@ class DeepseekV4StepMetadata:
     indexer_req_ids: Any = None
     indexer_decode_lens: Any = None
     indexer_block_rows: Any = None
+    indexer_per_req_decode_lens: Any = None
     indexer_cu_compressed: Any = None
     indexer_token_to_seq: Any = None
     indexer_cu_seqlen_ks: Any = None

@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit
 
 from . import checks, validation
-from .dcp import ContextParallel, check_cp, merge_aliases
+from .dcp import MAX_CP_SIZE, ContextParallel, check_cp
 from .family import SLOT_MAPPING_AXIS, KernelFamily
 from .geometry import elementwise_blocks
 from .kinds import INT32, INT64, Operand, probe_all
@@ -14,7 +14,7 @@ from .params import (BLOCK_TABLE, I64, PTR, QUERY_LAYOUT, SLOT_GEOMETRY, Params,
                      SlotGeometry)
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
-from .spec import MAX_BLOCK_SIZE
+from .spec import MAX_BLOCK_SIZE, PAD_SLOT_ID
 
 PARAMS = Params("SlotMappingParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("geometry", SLOT_GEOMETRY),
@@ -28,8 +28,9 @@ def cpu_compressed_slot_mapping(query, table, geometry, token_slots, out, num_to
     Only tokens below ``min(num_tokens, len(out))`` get a slot, so the loop is
     bounded by the output whatever the query layout says. Block-table entries
     are read clamped at 0; a block index past the table's row is "no slot".
-    With ``token_slots`` (not empty; single rank only), a token whose own slot
-    is negative gets no compressed slot either.
+    With ``token_slots`` (not empty), a token whose own slot is -1 gets no
+    compressed slot either; a negative ``cp_rank`` lets that rule alone decide
+    which rank holds a row.
     """
     out[:] = -1
     qsl, seq_lens = query.query_start_loc, query.seq_lens
@@ -37,7 +38,7 @@ def cpu_compressed_slot_mapping(query, table, geometry, token_slots, out, num_to
     world, interleave = geometry.cp_world_size, geometry.cp_interleave
     virtual_block = block_size * world
     limit = min(num_tokens, out.shape[0])
-    own_slot_rule = token_slots.shape[0] > 0 and world == 1
+    slot_rule = token_slots.shape[0] > 0
     for b in range(table.rows):
         qs = np.int64(qsl[b])
         qe = np.int64(qsl[b + 1])
@@ -46,12 +47,13 @@ def cpu_compressed_slot_mapping(query, table, geometry, token_slots, out, num_to
             pos = start + (idx - qs)
             if pos < 0 or (pos + 1) % ratio != 0:
                 continue
-            if own_slot_rule and token_slots[idx] < 0:
+            if slot_rule and token_slots[idx] == PAD_SLOT_ID:
                 continue
             c = pos // ratio
             blk = c // virtual_block
             v = c - blk * virtual_block
-            if (v // interleave) % world != geometry.cp_rank or blk >= table.cols:
+            other_rank = geometry.cp_rank >= 0 and (v // interleave) % world != geometry.cp_rank
+            if other_rank or blk >= table.cols:
                 continue
             off = (v // (world * interleave)) * interleave + v % interleave
             entry = np.int64(table.entries[b * table.row_stride + blk])
@@ -65,25 +67,29 @@ FAMILIES = (FAMILY,)
 _OP = PreparedOp("get_compressed_slot_mapping")
 
 
-def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table,
-                                block_size: int, compress_ratio: int, out=None,
-                                cp_world_size: int | None = None, cp_rank: int | None = None,
-                                cp_kv_cache_interleave_size: int = 1, *,
-                                dcp_world_size: int | None = None, dcp_rank: int | None = None,
-                                token_slot_mapping=None, validate: str = "default",
+def get_compressed_slot_mapping(num_tokens: int, slot_mapping, query_start_loc, seq_lens,
+                                block_table, block_size: int, compress_ratio: int, out=None,
+                                dcp_world_size: int = 1, cp_interleave: int = 1, *,
+                                dcp_rank: int | None = None, validate: str = "default",
                                 num_cache_blocks: int | None = None):
     """Physical compressed-cache slot of every token that closes a compression group.
+
+    vLLM 0.34's function, with its argument order.
 
     Parameters
     ----------
     num_tokens : int
         Tokens in the step (``num_actual_tokens``); elements at or past it are -1.
+    slot_mapping : int32 or int64 array ``[>= num_tokens]``, or None
+        The tokens' own slots: a token whose slot is -1 (padding, or under
+        decode context parallelism a token another rank holds) gets -1. None
+        (the library's extension) leaves every token eligible.
     query_start_loc : int32 array ``[R + 1]`` (at least ``block_table.shape[0] + 1``)
     seq_lens : int32 array ``[>= R]``
         Sequence lengths including this step's queries.
     block_table : int32 array ``[R, max_blocks]`` (rows contiguous, any row stride)
-        One row per request; negative entries are read as 0 (the builder's
-        clamp) without changing the table.
+        One row per request (the rank's own table under DCP); negative entries
+        are read as 0 (the builder's clamp) without changing the table.
     block_size : int
         The **storage** block size: compressed rows per cache block,
         ``256 // compress_ratio`` (64 for C4A, 2 for C128A). Not the builder's
@@ -92,14 +98,15 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         4 (C4A) or 128 (C128A).
     out : int64 array ``[>= num_tokens]``, optional
         Persistent buffer: **all** of it is written (-1 where there is no slot).
-    cp_world_size, cp_rank, cp_kv_cache_interleave_size : int
-        Context-parallel sharding of the compressed cache (default 1, 0, 1: none),
-        positional after ``out`` as in vLLM. ``dcp_world_size`` and ``dcp_rank``
-        are keyword aliases (newer vLLM's names); a conflicting pair is an error.
-        With more than one rank, ``block_size`` must be a multiple of the interleave.
-    token_slot_mapping : int32 or int64 array ``[>= num_tokens]``, optional
-        The tokens' own slot mapping (newer vLLM): on a single rank, a token
-        whose own slot is negative gets -1. Ignored with more than one rank.
+    dcp_world_size, cp_interleave : int
+        Decode context parallelism: ``dcp_world_size`` ranks hold the tokens
+        ``cp_interleave`` tokens at a time (a multiple of ``compress_ratio``
+        when there is more than one rank, so a group lives on one rank; the
+        storage block holds whole ``cp_interleave // compress_ratio`` runs).
+        Which rank holds a group comes from ``slot_mapping``, as in vLLM.
+    dcp_rank : int, optional
+        The library's rank-explicit form: this rank's slots only, whatever
+        ``slot_mapping`` says about ownership (its -1 entries still count).
     validate : "default" or "full"
         "full" also checks (reading the inputs: a sync on GPU) that
         ``query_start_loc`` starts at 0 and never decreases, ``seq_len >=
@@ -109,34 +116,37 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     Returns
     -------
     int64 array ``[num_tokens]`` (``out[:num_tokens]`` when given). The token at
-    ``pos = seq_len - query_len + j`` gets ``block_table[b, blk] * block_size + off``
-    when ``pos >= 0`` and ``(pos + 1) % compress_ratio == 0`` and this rank owns
-    the row, else -1. A block index past the table row gives -1, never a read
-    of the next row.
+    ``pos = seq_len - query_len + j`` closing a group (``(pos + 1) %
+    compress_ratio == 0``, ``pos >= 0``) whose slot is not -1 gets
+    ``block_table[b, s // block_size] * block_size + s % block_size`` with
+    ``s`` its rank-local state ``((pos // (I * W)) * I + pos % I) //
+    compress_ratio`` (``s = pos // compress_ratio`` on one rank); anything else
+    -1. A block index past the table row gives -1, never a read of the next row.
     """
-    key, results = _OP.replay(validate, (out,), num_tokens, query_start_loc, seq_lens,
-                              block_table, block_size, compress_ratio, cp_world_size, cp_rank,
-                              cp_kv_cache_interleave_size, dcp_world_size, dcp_rank,
-                              token_slot_mapping)
+    key, results = _OP.replay(validate, (out,), num_tokens, slot_mapping, query_start_loc,
+                              seq_lens, block_table, block_size, compress_ratio, dcp_world_size,
+                              cp_interleave, dcp_rank)
     if results is not None:
         return results
-    kind, device, ops = probe_all({"query_start_loc": query_start_loc, "seq_lens": seq_lens,
-                                   "block_table": block_table, "out": out,
-                                   "token_slot_mapping": token_slot_mapping})
+    kind, device, ops = probe_all({"slot_mapping": slot_mapping,
+                                   "query_start_loc": query_start_loc, "seq_lens": seq_lens,
+                                   "block_table": block_table, "out": out})
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     block_size = check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                maximum=MAX_BLOCK_SIZE)
-    cp = check_cp(merge_aliases("cp_world_size", cp_world_size, "dcp_world_size",
-                                dcp_world_size, 1),
-                  merge_aliases("cp_rank", cp_rank, "dcp_rank", dcp_rank, 0),
-                  cp_kv_cache_interleave_size, block_size=block_size)
+    cp = token_interleaved_cp(dcp_world_size, dcp_rank, cp_interleave, block_size,
+                              compress_ratio)
+    token_slots = ops["slot_mapping"]
+    if token_slots is None and cp.world_size > 1 and cp.rank < 0:
+        raise ValueError("slot_mapping: expected the tokens' slots, which say the rank that "
+                         "holds each group, when dcp_world_size > 1 and no dcp_rank is given; "
+                         "got None")
     table, qsl, seq = ops["block_table"], ops["query_start_loc"], ops["seq_lens"]
     checks.check(table, (INT32,), 2)
     num_rows = table.shape[0]
     checks.check(qsl, (INT32,), 1, min_len=num_rows + 1)
     checks.check(seq, (INT32,), 1, min_len=num_rows)
-    token_slots = ops["token_slot_mapping"]
     if token_slots is not None:
         checks.check(token_slots, SLOT_MAPPING_AXIS.values, 1, min_len=num_tokens)
     out = checks.output("out", ops["out"], kind, device, INT64, num_tokens)
@@ -149,6 +159,25 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     launch = slot_mapping_launch(qsl, seq, table, slot_geometry(block_size, compress_ratio, cp),
                                  out, num_tokens, token_slots)
     return _OP.run(key, Checked(kind, device, result, (launch,), (result,)))
+
+
+def token_interleaved_cp(world_size, rank, interleave, block_size: int,
+                         compress_ratio: int) -> ContextParallel:
+    """vLLM 0.34's DCP arguments (``cp_interleave`` in tokens) as the library's
+    sharding of compressed rows; ``rank`` None is -1: any rank, the tokens'
+    slots decide."""
+    world = check_int("dcp_world_size", world_size, minimum=1, maximum=MAX_CP_SIZE)
+    interleave = check_int("cp_interleave", interleave, minimum=1, maximum=MAX_CP_SIZE)
+    if world == 1:
+        interleave = compress_ratio        # one rank: the interleave changes nothing
+    elif interleave % compress_ratio:
+        raise ValueError(f"cp_interleave: expected a multiple of compress_ratio "
+                         f"{compress_ratio} when dcp_world_size > 1 (a group must live on one "
+                         f"rank), got {interleave}")
+    cp = check_cp(world, 0 if rank is None else rank, interleave // compress_ratio,
+                  block_size=block_size,
+                  names=("dcp_world_size", "dcp_rank", "cp_interleave // compress_ratio"))
+    return cp if rank is not None else cp._replace(rank=-1)
 
 
 def slot_geometry(block_size: int, compress_ratio: int, cp: ContextParallel) -> SlotGeometry:

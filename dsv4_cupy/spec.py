@@ -69,9 +69,10 @@ def round_up(a: int, b: int) -> int:
 COMBINED_WIDTH_ALIGNMENT = 128
 
 
-def combined_width(topk: int, window_size: int) -> int:
-    """``C = round_up(topk + window_size, 128)``: 640 (C4A Flash), 8320 (C128A at 1M), 128 (SWA)."""
-    return round_up(topk + window_size, COMBINED_WIDTH_ALIGNMENT)
+def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> int:
+    """``C = round_up(topk + window_size + max_image_tokens, 128)``: 640 (C4A Flash),
+    8320 (C128A at 1M), 128 (SWA); images widen a row by what a token may see of them."""
+    return round_up(topk + window_size + max_image_tokens, COMBINED_WIDTH_ALIGNMENT)
 
 
 def next_power_of_2(n: int) -> int:

@@ -8,13 +8,14 @@ from .combine import combined_width, prefill_combine_launches
 from .geometry import WARP_LANES
 from .group import MAX_CACHED_VIEWS, KVCacheGroup
 from .indexer_decode import indexer_decode_launch
+from .indexer_native_decode import native_decode_launch
 from .indexer_prefill import indexer_prefill_launch
 from .kinds import BOOL, GPU_KINDS, INT32, INT64, Operand, probe
 from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata
 from .params import QueryLayout, SlotGeometry
 from .prefill_gather import gather_lens_launch
 from .prepared import PreparedCall, PreparedCalls
-from .scalars import check_int
+from .scalars import check_choice, check_int
 from .short_context import short_context_launch
 from .slot_mapping import slot_mapping_launch
 from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
@@ -25,6 +26,7 @@ from .step_plan import (GROUPS, LAYOUT_SECTIONS, StepLayout, StepPlan, check_gro
 from .swa import swa_launch
 
 #: The C128A group's results (its other fields are the caller's arrays).
+INDEXER_DECODE_LAYOUTS = ("flat", "native")
 _C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
                   "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
 class DeepseekV4StepMetadataBuilder:
@@ -70,6 +72,14 @@ class DeepseekV4StepMetadataBuilder:
     max_num_compressed : int, optional
         Length of the indexer's ``token_to_seq`` buffer (default
         ``40 * max_model_len // 4``, vLLM's workspace).
+    indexer_decode_layout : "flat" or "native"
+        The indexer's decode metadata: per token (``build_indexer_decode_metadata``:
+        vLLM's layout on sm_100 and its flattening on sm_90), or per request
+        and query position (``build_indexer_native_decode_metadata``: vLLM's
+        native layout, sm_90's default, ``[decode requests, the step's longest
+        decode query]``, or ``[decode tokens, 1]`` without speculative tokens).
+        vLLM flattens a step whose depth DeepGEMM has no native kernel for
+        (3 or more than 4 on sm_90); choose the layout the consumer takes.
     like, device
         As for ``DeepseekV4MetadataBuilder``.
     validate : "default" or "full"
@@ -93,7 +103,7 @@ class DeepseekV4StepMetadataBuilder:
                  prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
                  max_num_compressed: int | None = None, like="numpy", device: int | None = None,
                  validate: str = "default", num_cache_blocks: int | None = None,
-                 decode_threshold: int | None = None):
+                 decode_threshold: int | None = None, indexer_decode_layout: str = "flat"):
         group = self.c128a_group = KVCacheGroup(
             C128A_RATIO, max_model_len, max_num_batched_tokens, block_size=block_size,
             index_topk=index_topk, num_speculative_tokens=num_speculative_tokens,
@@ -109,6 +119,9 @@ class DeepseekV4StepMetadataBuilder:
         self.index_topk = group.topk_tokens
         self.c4a_block_size = check_int("block_size", block_size, minimum=C4A_RATIO) // C4A_RATIO
         self.combined_prefill = bool(combined_prefill)
+        self.indexer_decode_layout = check_choice("indexer_decode_layout", indexer_decode_layout,
+                                                  INDEXER_DECODE_LAYOUTS)
+        self.next_n = 1 + check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         self.prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, minimum=1)
         self.max_num_compressed = check_int(
             "max_num_compressed", 40 * self.max_model_len // C4A_RATIO
@@ -125,7 +138,8 @@ class DeepseekV4StepMetadataBuilder:
         self.indexer_slot_mapping_buffer = buffer((n,), INT64, -1)
         self.indexer_decode_buffers = (buffer((n,), INT32, 0), buffer((n,), INT32, 0),
                                        buffer((n,), INT32, 0),
-                                       buffer((n, self.max_blocks), INT32, 0))
+                                       buffer((n, self.max_blocks), INT32, 0),
+                                       buffer((n,), INT32, 0))
         self.indexer_prefill_buffers = (buffer((n + 1,), INT32, 0),
                                         buffer((self.max_num_compressed,), INT32, -1),
                                         buffer((n,), INT32, 0), buffer((n,), INT32, 0))
@@ -162,7 +176,8 @@ class DeepseekV4StepMetadataBuilder:
                "indexer_slot_mapping_buffer": self.indexer_slot_mapping_buffer,
                "short_context_buffer": self.short_context_buffer}
         for group, names in (
-                ("indexer_decode_buffers", ("context_lens", "req_ids", "decode_lens", "block_rows")),
+                ("indexer_decode_buffers", ("context_lens", "req_ids", "decode_lens", "block_rows",
+                                            "per_req_decode_lens")),
                 ("indexer_prefill_buffers", ("cu_compressed", "token_to_seq", "cu_seqlen_ks",
                                              "cu_seqlen_ke")),
                 ("c128a_combined_buffers", ("indices", "lens")),
@@ -272,7 +287,8 @@ class DeepseekV4StepMetadataBuilder:
         if layout is None or not self.c128a_group.uniform_decode(cm):
             return None
         return (layout, self.c128a_group.width(cm.max_seq_len, capturing),
-                self._short_context(cm, capturing), capturing)
+                self._short_context(cm, capturing), capturing,
+                cm.max_query_len if self.indexer_decode_layout == "native" else None)
 
     def _step_key(self, cms: dict, capturing: bool):
         """``_launch_key`` of a step, from its groups' metadata."""
@@ -398,9 +414,17 @@ class DeepseekV4StepMetadataBuilder:
             sections.pop("short_context", None)
         sections.update(group.split_sections(plan.arrays, split, plan.width, plan.c128a_tokens,
                                              plan.valid_tokens))
-        sections["indexer_decode"] = indexer_decode_launch(
-            QueryLayout(qsl, seq, num_decodes), plan.tables["indexer"],
-            *map(op, self.indexer_decode_buffers), nd, C4A_RATIO)
+        decode_query = QueryLayout(qsl, seq, num_decodes)
+        if self.indexer_decode_layout == "native":
+            rows, columns = self._native_decode_shape(plan)
+            context, _, decode_lens, _, _ = self.indexer_decode_buffers
+            sections["indexer_native_decode"] = native_decode_launch(
+                decode_query, checks.as_rows(op(context), rows, columns), op(decode_lens), rows,
+                columns, C4A_RATIO)
+        else:
+            sections["indexer_decode"] = indexer_decode_launch(
+                decode_query, plan.tables["indexer"], *map(op, self.indexer_decode_buffers), nd,
+                C4A_RATIO)
         extra = []
         if num_prefills:
             sections["gather"] = gather_lens_launch(QueryLayout(qsl, seq, cm.num_reqs),
@@ -426,6 +450,23 @@ class DeepseekV4StepMetadataBuilder:
                             checks.rows_of(op(self.is_valid_token_buffer), 0, T)),
                 *(step_launch(variant, {name: piece}) for name, piece in extra)]
 
+    def _native_decode_shape(self, plan: StepPlan) -> tuple[int, int]:
+        """(rows, columns) of the native decode lengths: vLLM's ``[decode
+        requests, the longest decode query]``, ``[decode tokens, 1]`` at next_n 1."""
+        split = plan.split
+        if self.next_n == 1:
+            return split.num_decode_tokens, 1
+        if not split.num_prefills:              # decodes only: max_query_len is the longest
+            columns = max(plan.cms["c128a"].max_query_len, 1)
+        else:
+            decode_qsl = plan.arrays.host_query_start_loc[:split.num_decodes + 1]
+            columns = max(int((decode_qsl[1:] - decode_qsl[:-1]).max(initial=1)), 1)
+        if split.num_decodes * columns > self.max_num_batched_tokens:
+            raise ValueError(f"num_reqs: expected the native indexer decode lengths, "
+                             f"{split.num_decodes} decode requests x {columns} positions, to fit "
+                             f"max_num_batched_tokens = {self.max_num_batched_tokens}")
+        return split.num_decodes, columns
+
     def _metadata(self, plan: StepPlan) -> DeepseekV4StepMetadata:
         cm, split = plan.cms["c128a"], plan.split
         num_decodes, num_prefills, nd, np_tokens = split
@@ -435,7 +476,7 @@ class DeepseekV4StepMetadataBuilder:
         if self.combined_prefill:
             c128a.c128a_prefill_topk_indices = None
         swa_rows, swa_lens = self.swa_indices_buffer, self.swa_lens_buffer
-        context, req_ids, decode_lens, block_rows = self.indexer_decode_buffers
+        context, req_ids, decode_lens, block_rows, per_req = self.indexer_decode_buffers
         cu, token_to_seq, ks, ke = self.indexer_prefill_buffers
         cols = plan.tables["indexer"].shape[1]
         out = DeepseekV4StepMetadata(
@@ -448,9 +489,17 @@ class DeepseekV4StepMetadataBuilder:
             indexer_slot_mapping=view(self.indexer_slot_mapping_buffer, 0, T), c128a=c128a)
         if nd:
             out.swa_decode_indices, out.swa_decode_lens = view(swa_rows, 0, nd), view(swa_lens, 0, nd)
+        if nd and self.indexer_decode_layout == "native":
+            rows, columns = self._native_decode_shape(plan)
+            out.indexer_context_lens = view(context, 0, rows * columns, row_length=columns)
+            out.indexer_decode_lens = out.indexer_per_req_decode_lens = view(decode_lens, 0,
+                                                                             num_decodes)
+            out.indexer_block_rows = plan.cms["indexer"].block_table_tensor[:num_decodes]
+        elif nd:
             out.indexer_context_lens, out.indexer_req_ids = view(context, 0, nd), view(req_ids, 0, nd)
             out.indexer_decode_lens = view(decode_lens, 0, nd)
             out.indexer_block_rows = view(block_rows, 0, nd, cols)
+            out.indexer_per_req_decode_lens = view(per_req, 0, num_decodes)
         if np_tokens:
             out.swa_prefill_indices = view(swa_rows, nd, nd + np_tokens)
             out.swa_prefill_lens = view(swa_lens, nd, nd + np_tokens)

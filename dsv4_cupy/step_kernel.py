@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from . import (c128a, combine, indexer_decode, indexer_prefill, prefill_gather, short_context,
-               slot_mapping, swa, token_map)
+from . import (c128a, combine, indexer_decode, indexer_native_decode, indexer_prefill,
+               prefill_gather, short_context, slot_mapping, swa, token_map)
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS, KernelFamily
 from .kinds import BOOL, INT64, Operand
 from .launch import Launch, NoArray
@@ -17,7 +17,9 @@ from .params import I64, PTR, Group, Params
 SECTIONS = (("token_map", token_map.PARAMS), ("group_slots", slot_mapping.PARAMS),
             ("c128a", c128a.PARAMS), ("swa", swa.PARAMS), ("c4a_slots", slot_mapping.PARAMS),
             ("indexer_slots", slot_mapping.PARAMS), ("gather", prefill_gather.PARAMS),
-            ("indexer_decode", indexer_decode.PARAMS), ("indexer_prefill", indexer_prefill.PARAMS),
+            ("indexer_decode", indexer_decode.PARAMS),
+            ("indexer_native_decode", indexer_native_decode.PARAMS),
+            ("indexer_prefill", indexer_prefill.PARAMS),
             ("c128a_combine", combine.PREFILL_COMBINE), ("swa_combine", combine.PREFILL_COMBINE),
             ("short_context", short_context.PARAMS))
 SECTION_NAMES = tuple(name for name, _ in SECTIONS)

@@ -63,6 +63,15 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
                              f"< query_len {int(steps[b])} for request {b}")
 
 
+def longest_query(qsl, kind: str, num_reqs: int, max_query_len: int) -> None:
+    """No request's query longer than ``max_query_len``."""
+    steps = np.diff(_host_int64(qsl, kind)[:num_reqs + 1])
+    if (steps > max_query_len).any():
+        b = _first(steps > max_query_len)
+        raise ValueError(f"max_decode_len: expected at least every request's query length, got "
+                         f"{max_query_len} < {int(steps[b])} for request {b}")
+
+
 def max_lengths(seq_lens, kind: str, num_reqs: int, max_model_len: int) -> None:
     """No sequence longer than ``max_model_len``."""
     seq = _host_int64(seq_lens, kind)[:num_reqs]

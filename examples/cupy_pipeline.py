@@ -43,8 +43,9 @@ def main():
         # The ops one by one; their outputs are allocated by the calls.
         req = d4.token_to_req_indices(step.query_start_loc, T)
         nd = d4.split_decodes_and_prefills(step, decode_threshold=1 + SPEC_TOKENS)[2]
-        slots = d4.get_compressed_slot_mapping(T, step.query_start_loc, step.seq_lens,
-                                               step.block_table_tensor, STORAGE_BLOCK, RATIO)
+        slots = d4.get_compressed_slot_mapping(T, step.slot_mapping, step.query_start_loc,
+                                               step.seq_lens, step.block_table_tensor,
+                                               STORAGE_BLOCK, RATIO)
         gd, lens, pf = d4.build_c128a_topk_metadata(
             step.positions, RATIO, nd, req, step.block_table_tensor, STORAGE_BLOCK,
             step.slot_mapping, max_compressed_tokens=d4.c128a_capacity(MAX_MODEL_LEN))

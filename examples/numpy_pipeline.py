@@ -83,9 +83,9 @@ def main():
     # 3. Compressed slot mapping into a persistent buffer longer than the step:
     #    the whole buffer is reset to -1, so stale slots past T never survive.
     slot_buffer = np.zeros(MAX_TOKENS, np.int64)
-    slots = d4.get_compressed_slot_mapping(T, step.query_start_loc, step.seq_lens,
-                                           step.block_table_tensor, STORAGE_BLOCK, RATIO,
-                                           out=slot_buffer)
+    slots = d4.get_compressed_slot_mapping(T, step.slot_mapping, step.query_start_loc,
+                                           step.seq_lens, step.block_table_tensor, STORAGE_BLOCK,
+                                           RATIO, out=slot_buffer)
     assert (slot_buffer[T:] == -1).all()
     print(f"compressed slots: {int((slots >= 0).sum())} of {T} tokens close a 128-token group; "
           f"buffer[{T}:{MAX_TOKENS}] is all -1")

@@ -85,7 +85,7 @@ def main():
     print(f"SWA: decode rows {tuple(swa_decode[0].shape)} lens {swa_decode[1].tolist()}, "
           f"prefill rows {tuple(swa_prefill[0].shape)}, gather lens {gather_lens.tolist()}")
 
-    context_lens, req_ids, _, block_rows = d4.build_indexer_decode_metadata(
+    context_lens, req_ids, _, block_rows, _ = d4.build_indexer_decode_metadata(
         qsl[:num_decodes + 1], seq, step["c4a_table"], nd, C4A_RATIO)
     # The prefill chunk plan comes from host lengths; N and M size the gathered workspace.
     prefill_seq = host["seq_lens"][num_decodes:]

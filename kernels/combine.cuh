@@ -3,7 +3,10 @@
 // min((p + 1) / ratio, topk) compressed entries x + M * b (-1 unless 0 <= x <
 // N, still counted), then the s_len window rows
 // M * b + N + (swa_start - g0) + i with g0 = L - gather_len and swa_start =
-// max(p - W + 1, 0, g0), then -1 to C columns. Tokens at or past the chunk's
+// max(p - W + 1, 0, g0), then -1 to C columns. With image visibility (l, r
+// image positions seen before the window and after the token) the window
+// starts max(l - W + 1, 0) earlier and ends r later, s_len at most W + the
+// image width. Tokens at or past the chunk's
 // total get an all -1 row and length 0. Without topk_indices (null) the
 // compressed entries are C128A's local prefill rows, x = k for k < k_len: the
 // rows need no input, and one build serves every C128A layer of a step. A
@@ -18,11 +21,14 @@ struct CombineParams {           // combine_topk_swa_indices
     const int* topk_indices;     // [num_tokens, topk_stride] int32, read below topk only
     int* out;                    // [num_tokens, out_stride] int32, width columns written
     int* lens;                   // [num_tokens] int32
+    const int* left_visible;     // [num_tokens] int32, read when image_width > 0
+    const int* right_visible;    // [num_tokens] int32, read when image_width > 0
     i64 topk_stride;
     i64 out_stride;
-    i64 width;                   // C = round_up(topk + window_size, 128)
+    i64 width;                   // C = round_up(topk + window_size + max_image_tokens, 128)
     i64 num_tokens;
     i64 window_size;
+    i64 image_width;             // max_image_tokens with visibility given, else 0
     i64 ratio;                   // compress ratio (>= 1 when topk > 0)
     i64 topk;
     i64 rows_per_request;        // M: workspace rows per request
@@ -98,10 +104,17 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, const Block
             row.topk_len = in_chunk && p.topk > 0 ? visible_rows(position, p.ratio, p.topk) : 0;
         const CombineChunk chunk = chunk_of(b);
         const i64 gather_start = seq_len - gather_len;
-        i64 swa_start = position - window + 1;
+        i64 left_extra = 0, right = 0;
+        if (p.image_width > 0 && in_chunk) {
+            left_extra = (i64)p.left_visible[t] - (window - 1);
+            left_extra = left_extra > 0 ? left_extra : 0;
+            right = p.right_visible[t];
+        }
+        i64 swa_start = position - window + 1 - left_extra;
         swa_start = swa_start > 0 ? swa_start : 0;
         swa_start = swa_start > gather_start ? swa_start : gather_start;
-        row.swa_len = in_chunk ? (int)clamp_i64(position - swa_start + 1, 0, window) : 0;
+        row.swa_len = in_chunk
+            ? (int)clamp_i64(position + right - swa_start + 1, 0, window + p.image_width) : 0;
         const i64 request_base = chunk.rows_per_request * (b - chunk.first_request);
         row.request_base = (unsigned)request_base;
         row.swa_offset = (int)chunk.swa_offset;

@@ -75,8 +75,9 @@ __device__ __forceinline__ i64 token_position(i64 seq_len, i64 query_end, i64 t)
 // Compressed-cache slot of the token at flattened index i of block-table row b,
 // or DSV4_PAD_SLOT_ID. A slot exists when pos >= 0 closes a group
 // ((pos + 1) % ratio == 0) and the compressed row is owned by this
-// context-parallel rank. Entries are read clamped at 0 (vLLM's builder's
-// clamp); a block past the row is no slot.
+// context-parallel rank (cp_rank < 0: by any rank; the token's own slot then
+// says whether this one holds it). Entries are read clamped at 0 (vLLM's
+// builder's clamp); a block past the row is no slot.
 __device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const BlockTable& table,
                                                const SlotGeometry& g, int b, i64 i) {
     const i64 qs = q.query_start_loc[b], qe = q.query_start_loc[b + 1];
@@ -87,7 +88,8 @@ __device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const Block
     const i64 virtual_block = g.block_size * g.cp_world_size;
     const i64 blk = c / virtual_block;
     const i64 v = c - blk * virtual_block;
-    if ((v / g.cp_interleave) % g.cp_world_size != g.cp_rank || blk >= table.cols)
+    const bool other_rank = g.cp_rank >= 0 && (v / g.cp_interleave) % g.cp_world_size != g.cp_rank;
+    if (other_rank || blk >= table.cols)
         return DSV4_PAD_SLOT_ID;
     const i64 off = (v / (g.cp_world_size * g.cp_interleave)) * g.cp_interleave +
                     v % g.cp_interleave;

@@ -27,6 +27,6 @@ struct SlotGeometry {            // where compressed rows live
     i64 block_size;              // storage rows per cache block (256 / ratio)
     i64 ratio;                   // compress ratio (4, 128)
     i64 cp_world_size;           // context-parallel ranks sharing the compressed rows
-    i64 cp_rank;
-    i64 cp_interleave;           // consecutive rows per rank (cp_kv_cache_interleave_size)
+    i64 cp_rank;                 // this rank; -1: the tokens' own slots say which rank holds a row
+    i64 cp_interleave;           // consecutive compressed rows per rank
 };

@@ -43,6 +43,7 @@ struct StepSections {            // cumulative block ends, in order; equal ends:
     i64 indexer_slots;
     i64 gather;
     i64 indexer_decode;
+    i64 indexer_native_decode;
     i64 indexer_prefill;
     i64 c128a_combine;
     i64 swa_combine;
@@ -58,6 +59,7 @@ struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the
     SlotMappingParams indexer_slots;
     PrefillGatherParams gather;
     IndexerDecodeParams indexer_decode;
+    IndexerNativeDecodeParams indexer_native_decode;
     IndexerPrefillParams indexer_prefill;
     PrefillCombineParams c128a_combine;
     PrefillCombineParams swa_combine;
@@ -121,7 +123,9 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
         prefill_gather_lens(p.gather, b);
     } else if (at.in(s.gather, s.indexer_decode, b)) {
         indexer_decode_metadata(p.indexer_decode, b);
-    } else if (at.in(s.indexer_decode, s.indexer_prefill, b)) {
+    } else if (at.in(s.indexer_decode, s.indexer_native_decode, b)) {
+        indexer_native_decode_metadata(p.indexer_native_decode, b);
+    } else if (at.in(s.indexer_native_decode, s.indexer_prefill, b)) {
         indexer_prefill_chunk_metadata(p.indexer_prefill, b);
     } else if (at.in(s.indexer_prefill, s.c128a_combine, b)) {
         prefill_combine(p.c128a_combine, b);

@@ -135,11 +135,10 @@ def check_slot_mapping(batch: Batch, kind: str, cp=(1, 0, 1)):
     table = to_kind(batch.block_table, kind)
     table_before = to_numpy(table).copy()
     out = to_kind(poisoned(out_len, np.int64), kind)
-    got = d4.get_compressed_slot_mapping(batch.num_tokens, to_kind(batch.qsl, kind),
+    got = d4.get_compressed_slot_mapping(batch.num_tokens, None, to_kind(batch.qsl, kind),
                                          to_kind(batch.seq_lens, kind), table,
-                                         batch.storage_block_size, batch.ratio, out,
-                                         cp_world_size=world, cp_rank=rank,
-                                         cp_kv_cache_interleave_size=interleave)
+                                         batch.storage_block_size, batch.ratio, out, world,
+                                         interleave * batch.ratio, dcp_rank=rank)
     assert to_numpy(got).shape == (batch.num_tokens,)
     np.testing.assert_array_equal(to_numpy(out), np.array(want, np.int64))
     np.testing.assert_array_equal(to_numpy(table), table_before)  # the clamp is not in place
@@ -279,24 +278,29 @@ def run_short_context(kind, positions, top_k, ratio, num_tokens=None, dtype=I64,
 
 # --- combine ------------------------------------------------------------------------------
 def run_combine(kind, topk_indices, qsl, seq_lens, gather_lens, window, ratio, topk, M, N,
-                reference=True):
+                reference=True, left=None, right=None, max_image_tokens=0):
+    """The op on ``kind`` arrays (``out`` by position, as vLLM passes it) into poisoned
+    buffers, checked against the allocating call and the reference; ``left``/``right``
+    the tokens' image visibility (lists, or None)."""
     topk_indices = np.asarray(topk_indices, I32)
     rows = topk_indices.shape[0]
-    width = d4.combine.combined_width(topk, window)
+    width = d4.combine.combined_width(topk, window, max_image_tokens)
+    images = tuple(None if v is None else to_kind(np.array(v, I32), kind) for v in (left, right))
     args = (strided(topk_indices, kind), to_kind(np.array(qsl, I32), kind),
             to_kind(np.array(seq_lens, I32), kind), to_kind(np.array(gather_lens, I32), kind),
             window, ratio, topk, M, N)
     indices = to_kind(poisoned((rows + EXTRA_ROWS, width + EXTRA_COLS)), kind)
     lens = to_kind(poisoned(rows + EXTRA_ROWS), kind)
-    got = d4.combine_topk_swa_indices(*args, out=(indices, lens))
+    got = d4.combine_topk_swa_indices(*args, (indices, lens), *images, max_image_tokens)
     assert tuple(got[0].shape) == (rows, width)
     assert_poison_past(indices, rows, width)
     assert_poison_past(lens, rows)
-    same(d4.combine_topk_swa_indices(*args), got)
+    same(d4.combine_topk_swa_indices(*args, None, *images, max_image_tokens), got)
     got = to_numpy(got[0]), to_numpy(got[1])
     if reference:
         want = upstream.combine_topk_swa_indices(topk_indices.tolist(), list(qsl), list(seq_lens),
-                                                 list(gather_lens), window, ratio, topk, M, N)
+                                                 list(gather_lens), window, ratio, topk, M, N,
+                                                 left, right, max_image_tokens)
         same(got, [np.array(want[0], I32).reshape(rows, width), np.array(want[1], I32)])
     return got
 
@@ -347,17 +351,20 @@ def run_indexer_decode(kind, qsl, seq_lens, table, num_tokens, ratio, reference=
     context = to_kind(poisoned(num_tokens + EXTRA_ROWS), kind)
     others = [to_kind(poisoned(num_tokens + EXTRA_ROWS), kind) for _ in range(2)]
     rows = to_kind(poisoned((num_tokens + EXTRA_ROWS, cols + EXTRA_COLS)), kind)
-    got = d4.build_indexer_decode_metadata(*args, out=(context, *others, rows))
+    num_reqs = len(qsl) - 1
+    per_req = to_kind(poisoned(num_reqs + EXTRA_ROWS), kind)
+    got = d4.build_indexer_decode_metadata(*args, out=(context, *others, rows, per_req))
     assert (to_numpy(context)[num_tokens:] == 0).all(), "the length buffer's tail is not zeroed"
     for buffer in others:
         assert_poison_past(buffer, num_tokens)
     assert_poison_past(rows, num_tokens, cols)
+    assert_poison_past(per_req, num_reqs)
     same(d4.build_indexer_decode_metadata(*args), got)
     got = [to_numpy(x) for x in got]
     if reference:
         want = upstream.indexer_decode_metadata(list(qsl), list(seq_lens), table.tolist(),
                                                 num_tokens, ratio)
-        same(got[:3], [np.array(w, I32) for w in want[:3]])
+        same(got[:3] + got[4:], [np.array(w, I32) for w in want[:3] + want[4:]])
         # A list-of-rows table without rows has no width: every row is padding then.
         want_rows = np.array(want[3], I32) if len(table) else np.zeros((num_tokens, cols), I32)
         np.testing.assert_array_equal(got[3], want_rows.reshape(num_tokens, cols))
@@ -490,7 +497,8 @@ class GroupOpsStep:
     def run(self):
         i = self.inputs
         d4.token_to_req_indices(i["qsl"], self.T, out=self.req)
-        d4.get_compressed_slot_mapping(self.T, i["qsl"], i["seq"], i["bt"], 2, 128, out=self.csm)
+        d4.get_compressed_slot_mapping(self.T, i["sm"], i["qsl"], i["seq"], i["bt"], 2, 128,
+                                       out=self.csm)
         d4.build_c128a_topk_metadata(i["pos"], 128, self.nd, self.req, i["bt"], 2, i["sm"], self.gd,
                                      self.lens, self.pf, max_compressed_tokens=GROUP_OPS_WIDTH)
 
@@ -593,7 +601,7 @@ class LayerOpsStep:
             combined=(empty(LAYER_TOKENS - LAYER_DECODE_TOKENS, 640), empty(LAYER_TOKENS - LAYER_DECODE_TOKENS)),
             prefill=(empty(2), empty(600), empty(40), empty(40)),
             decode=(empty(16), empty(LAYER_DECODE_TOKENS), empty(LAYER_DECODE_TOKENS),
-                    empty(LAYER_DECODE_TOKENS, 10)))
+                    empty(LAYER_DECODE_TOKENS, 10), empty(LAYER_DECODES)))
 
     def run(self):
         i, o = self.inputs, self.outputs

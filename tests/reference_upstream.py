@@ -15,6 +15,7 @@ from reference import PAD_ID, c_div, c_mod, cdiv, round_up, wrap_i32
 
 __all__ = [
     "split_decodes_and_prefills_v2", "c128a_topk_v2", "compressed_slot_mapping_v2",
+    "compressed_slot_mapping_034",
     "dcp_local_seq_lens", "swa_indices_and_lens", "global_topk_indices_and_lens",
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "prefill_gather_lens",
     "prefill_chunk_plan", "indexer_prefill_chunk_metadata", "indexer_decode_metadata",
@@ -164,8 +165,8 @@ def compressed_slot_mapping_v2(num_tokens: int, qsl: list[int], seq_lens: list[i
 
     `block_size` is the STORAGE block size. Additions:
     (a) token indices >= num_tokens (and >= out_len) stay -1;
-    (b) rule D: with token_slot_mapping given and cp_world_size == 1, a token whose own
-        token_slot_mapping[idx] < 0 gets -1 (ignored when world > 1);
+    (b) rule D (vLLM 0.34): with token_slot_mapping given, a token whose own
+        token_slot_mapping[idx] is -1 (PAD_SLOT_ID, exactly) gets -1, on any rank;
     guards (§4 hardening copy; only affect inputs the old reference would crash on):
         rows = min(len(block_table), len(seq_lens), len(qsl) - 1); pos < 0 -> -1;
         block column >= the row's length -> -1.
@@ -185,7 +186,7 @@ def compressed_slot_mapping_v2(num_tokens: int, qsl: list[int], seq_lens: list[i
             pos = start + j
             if pos < 0 or c_mod(pos + 1, r) != 0:
                 continue
-            if W == 1 and token_slot_mapping is not None and token_slot_mapping[idx] < 0:
+            if token_slot_mapping is not None and token_slot_mapping[idx] == PAD_ID:
                 continue
             c = c_div(pos, r)
             blk = c_div(c, V)
@@ -196,6 +197,39 @@ def compressed_slot_mapping_v2(num_tokens: int, qsl: list[int], seq_lens: list[i
                 continue
             off = c_div(v, W * I) * I + c_mod(v, I)
             out[idx] = max(block_table[b][blk], 0) * block_size + off
+    return out
+
+
+def compressed_slot_mapping_034(num_tokens: int, slot_mapping: list[int], qsl: list[int],
+                                seq_lens: list[int], block_table: list[list[int]],
+                                block_size: int, ratio: int, out_len: int,
+                                dcp_world_size: int = 1, cp_interleave: int = 1) -> list[int]:
+    """vLLM 0.34's get_compressed_slot_mapping (compressor_utils.py), read as written:
+    the whole output -1, then per block-table row b and token i of its query, with
+    pos = seq - q + i: valid when (pos + 1) % ratio == 0 and the token's slot is not -1;
+    the rank-local position (pos // (I * W)) * I + pos % I (I counts tokens) gives the
+    state, and the slot is bt[b, state // bs] * bs + state % bs. Guards (for inputs vLLM
+    would read out of bounds with): indices past num_tokens or out_len stay -1, pos < 0 and
+    a block column past the row give -1, entries are read clamped at 0."""
+    out = [PAD_ID] * out_len
+    W, I = dcp_world_size, cp_interleave
+    rows = min(len(block_table), len(seq_lens), len(qsl) - 1)
+    for b in range(rows):
+        qs, qe = qsl[b], qsl[b + 1]
+        start = seq_lens[b] - (qe - qs)
+        for i in range(qe - qs):
+            idx = qs + i
+            if idx < 0 or idx >= num_tokens or idx >= out_len:
+                continue
+            pos = start + i
+            if pos < 0 or (pos + 1) % ratio != 0 or slot_mapping[idx] == PAD_ID:
+                continue
+            local_pos = (pos // (I * W)) * I + pos % I
+            state = local_pos // ratio
+            column = state // block_size
+            if column >= len(block_table[b]):
+                continue
+            out[idx] = max(block_table[b][column], 0) * block_size + state % block_size
     return out
 
 
@@ -306,8 +340,12 @@ def fill_short_context_topk_indices(positions: list[int], top_k: int, compress_r
 # ---------------------------------------------------------------- upstream §6
 def combine_topk_swa_indices(topk_indices: list[list[int]], qsl: list[int], seq_lens: list[int],
                              gather_lens: list[int], window_size: int, compress_ratio: int,
-                             topk: int, M: int, N: int):
-    """upstream.md §6 `combine_topk_swa_indices`, hardened V4.1 form.
+                             topk: int, M: int, N: int, left_visible: list[int] | None = None,
+                             right_visible: list[int] | None = None, max_image_tokens: int = 0):
+    """upstream.md §6 `combine_topk_swa_indices`, hardened V4.1 form; with vLLM 0.34's image
+    visibility as its test_deepseek_v4_swa_visible reference has it: the window of token t
+    is [max(p - (W-1) - max(l - (W-1), 0), 0, g0), p + r + 1) with l, r = left_visible[t],
+    right_visible[t], and C = round_up(topk + W + max_image_tokens, 128).
 
     T = len(topk_indices), C = round_up(topk + W, 128). qsl rebased by qsl[0]; token t of
     chunk request b (qsl[b]-qsl[0] <= t < qsl[b+1]-qsl[0]), j = t - (qsl[b]-qsl[0]),
@@ -321,7 +359,7 @@ def combine_topk_swa_indices(topk_indices: list[list[int]], qsl: list[int], seq_
     """
     W, r = window_size, compress_ratio
     T = len(topk_indices)
-    C = round_up(topk + W, 128)
+    C = round_up(topk + W + max_image_tokens, 128)
     if topk > 0 and r <= 0:
         raise ValueError("topk > 0 needs a positive compress ratio")
     for t in range(T):
@@ -345,14 +383,36 @@ def combine_topk_swa_indices(topk_indices: list[list[int]], qsl: list[int], seq_
                 x = topk_indices[t][k]
                 row[k] = x + M * b if 0 <= x < N else PAD_ID
             g0 = L - gather_lens[b]
-            swa_start = max(p - W + 1, 0, g0)
-            s_len = max(p - swa_start + 1, 0)
+            left = left_visible[t] if left_visible is not None else 0
+            right = right_visible[t] if right_visible is not None else 0
+            swa_start = max(p - (W - 1) - max(left - (W - 1), 0), 0, g0)
+            s_len = max(p + right + 1 - swa_start, 0)
             for i in range(s_len):
                 row[k_len + i] = M * b + N + (swa_start - g0) + i
             length = k_len + s_len
         rows.append(row)
         lens.append(length)
     return rows, lens
+
+
+def image_visibility(qsl: list[int], seq_lens: list[int], spans: list[list[tuple[int, int]]],
+                     max_image_tokens: int) -> tuple[list[int], list[int]]:
+    """vLLM 0.34's _compute_image_visibility_kernel over every token of the requests:
+    position p of request b inside an inclusive span [s, e] of spans[b] (the last such span
+    wins) sees left = min(p - s, max - 1) image positions before it and right = min(e - p,
+    max) after it; 0 and 0 outside every span."""
+    left, right = [], []
+    for b in range(len(qsl) - 1):
+        q = qsl[b + 1] - qsl[b]
+        for j in range(q):
+            p = seq_lens[b] - q + j
+            lv = rv = 0
+            for s, e in spans[b]:
+                if s <= p <= e:
+                    lv, rv = min(p - s, max_image_tokens - 1), min(e - p, max_image_tokens)
+            left.append(lv)
+            right.append(rv)
+    return left, right
 
 
 # ---------------------------------------------------------------- upstream §8.3
@@ -451,8 +511,9 @@ def indexer_decode_metadata(qsl: list[int], seq_lens: list[int], block_table: li
     For t < num_padded_tokens: valid = t < qsl[R]; b = the request with qsl[b] <= t < qsl[b+1];
     context_lens[t] = max(L[b] - q[b] + j + 1, 0) // r if valid else 0;
     req_ids[t] = b if valid else R + (t - qsl[R]); decode_lens[t] = 1;
-    block_rows[t] = copy of bt[b] if valid else zeros (width = the table's column count).
-    Returns (context_lens, req_ids, decode_lens, block_rows).
+    block_rows[t] = copy of bt[b] if valid else zeros (width = the table's column count);
+    per_req_lens[b] = q[b] for b < R (vLLM 0.34's kernel writes it too).
+    Returns (context_lens, req_ids, decode_lens, block_rows, per_req_lens).
     """
     R = len(qsl) - 1
     cols = len(block_table[0]) if block_table else 0
@@ -472,4 +533,47 @@ def indexer_decode_metadata(qsl: list[int], seq_lens: list[int], block_table: li
             req_ids.append(R + (t - qsl[R]))
             brows.append([0] * cols)
         dlens.append(1)
-    return ctx, req_ids, dlens, brows
+    per_req = [qsl[b + 1] - qsl[b] for b in range(R)]
+    return ctx, req_ids, dlens, brows, per_req
+
+
+def indexer_native_decode(qsl: list[int], seq_lens: list[int], max_decode_len: int,
+                          compress_ratio: int, num_rows: int):
+    """vLLM 0.34's native [B, next_n] decode lengths (indexer.py _prepare_decode_tensors, then
+    the in-place division): S[b][j] = max(L[b] - mdl + 1 + j, 0) // r for the R decode
+    requests; with next_n == 1 the rows past R up to num_decode_tokens are 0.
+    Returns (S as num_rows lists, decode_lens = per-request query lengths)."""
+    R = len(qsl) - 1
+    rows = [[max(seq_lens[b] - max_decode_len + 1 + j, 0) // compress_ratio
+             for j in range(max_decode_len)] if b < R else [0] * max_decode_len
+            for b in range(num_rows)]
+    return rows, [qsl[b + 1] - qsl[b] for b in range(R)]
+
+
+def indexer_uniform_flatten(seq_lens: list[int], block_table: list[list[int]], num_decodes: int,
+                            max_decode_len: int, compress_ratio: int):
+    """vLLM 0.34's PrepareUniformDecodeKernel (every decode has max_decode_len tokens), then
+    the division: token idx = b * mdl + j gets max(L[b] - mdl + j + 1, 0) // r, row bt[b]."""
+    lens, rows = [], []
+    for idx in range(num_decodes * max_decode_len):
+        b, j = divmod(idx, max_decode_len)
+        lens.append(max(seq_lens[b] - max_decode_len + j + 1, 0) // compress_ratio)
+        rows.append(list(block_table[b]))
+    return lens, rows
+
+
+def indexer_torch_flatten(qsl: list[int], seq_lens: list[int], block_table: list[list[int]],
+                          num_decode_tokens: int, compress_ratio: int):
+    """vLLM 0.34's torch varlen flatten (indexer.py), then the division: the decode tokens'
+    lengths L[b] - q[b] + (t - qsl[b]) + 1 (no clamp: use inputs with L >= q), rows repeated
+    per token; past the requests' tokens length 0 and a row vLLM only clears column 0 of
+    (None here)."""
+    R = len(qsl) - 1
+    lens, rows = [], []
+    for b in range(R):
+        q = qsl[b + 1] - qsl[b]
+        for t in range(qsl[b], qsl[b + 1]):
+            lens.append((seq_lens[b] - q + (t - qsl[b]) + 1) // compress_ratio)
+            rows.append(list(block_table[b]))
+    padding = num_decode_tokens - len(lens)
+    return lens + [0] * padding, rows + [None] * padding

@@ -10,6 +10,7 @@ import pytest
 
 import dsv4_cupy as d4
 
+import reference_upstream as upstream
 from conftest import KINDS, to_kind, to_numpy
 from helpers import POISON, random_combine_case, run_combine
 
@@ -76,6 +77,84 @@ def test_random_chunks_against_the_reference(kind):
     rng = np.random.default_rng(6)
     for _ in range(15):
         run_combine(kind, *random_combine_case(rng))
+
+
+# vLLM 0.34's test_deepseek_v4_swa_visible case 0: window 8, images of at most 6 tokens;
+# request 0 (30 tokens) holds the inclusive spans [4, 12] and [20, 24], request 1 none.
+IMAGE_CASE = dict(qsl=[0, 30, 42], seq=[30, 12], spans=[[(4, 12), (20, 24)], []], window=8,
+                  max_image_tokens=6)
+# its combine_topk_swa_indices lens (ratio 1 / top-k 0 and ratio 4 / top-k 16)
+IMAGE_LENS = {(1, 0): [1, 2, 3, 4, 11, 12, 13, 13, 12, 11, 10, 9, 8, 8, 8, 8, 8, 8, 8, 8, 12, 11,
+                       10, 9, 8, 8, 8, 8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8, 8],
+              (4, 16): [1, 2, 3, 5, 12, 13, 14, 15, 14, 13, 12, 12, 11, 11, 11, 12, 12, 12, 12,
+                        13, 17, 16, 15, 15, 14, 14, 14, 15, 15, 15, 1, 2, 3, 5, 6, 7, 8, 10, 10,
+                        10, 10, 11]}
+
+
+def test_image_visibility_reference_is_vllm_034s():
+    left, right = upstream.image_visibility(IMAGE_CASE["qsl"], IMAGE_CASE["seq"],
+                                            IMAGE_CASE["spans"], 6)
+    assert left[:30] == [0] * 5 + [1, 2, 3, 4, 5, 5, 5, 5] + [0] * 8 + [1, 2, 3, 4] + [0] * 5
+    assert right[:30] == [0] * 4 + [6, 6, 6, 5, 4, 3, 2, 1] + [0] * 8 + [4, 3, 2, 1] + [0] * 6
+    assert left[30:] == right[30:] == [0] * 12
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ratio,topk", [(1, 0), (4, 16)])
+@pytest.mark.parametrize("with_image", [True, False])
+def test_image_spans_widen_the_window_as_in_vllm_034(kind, ratio, topk, with_image):
+    case = IMAGE_CASE
+    left, right = upstream.image_visibility(case["qsl"], case["seq"], case["spans"], 6)
+    N = -(-30 // ratio)
+    rng = np.random.default_rng(0)
+    topk_rows = rng.integers(0, 4096, (42, max(topk, 1)), dtype=I32)
+    indices, lens = run_combine(kind, topk_rows, case["qsl"], case["seq"], [30, 12],
+                                case["window"], ratio, topk, N + 30 + 8, N,
+                                left=left if with_image else None,
+                                right=right if with_image else None, max_image_tokens=6)
+    assert indices.shape == (42, 128)      # round_up(topk + 8 + 6, 128), with or without spans
+    if with_image:
+        assert lens.tolist() == IMAGE_LENS[ratio, topk]
+    else:
+        plain = run_combine(kind, topk_rows, case["qsl"], case["seq"], [30, 12], 8, ratio, topk,
+                            N + 30 + 8, N)
+        np.testing.assert_array_equal(indices[:, :plain[0].shape[1]], plain[0])
+        np.testing.assert_array_equal(lens, plain[1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_image_spans_against_the_reference(kind):
+    rng = np.random.default_rng(9)
+    for _ in range(10):
+        queries = rng.integers(1, 40, int(rng.integers(1, 5)))
+        seq = queries + rng.integers(0, 60, queries.size)
+        qsl = np.concatenate([[0], np.cumsum(queries)]).tolist()
+        window, max_image = int(rng.choice([4, 8, 128])), int(rng.integers(1, 20))
+        spans = []
+        for L in seq:
+            starts = np.sort(rng.integers(0, L, int(rng.integers(0, 3))))
+            spans.append([(int(s), int(min(s + rng.integers(0, max_image), L - 1)))
+                          for s in starts])
+        left, right = upstream.image_visibility(qsl, seq.tolist(), spans, max_image)
+        gather = (queries + np.minimum(seq - queries, window - 1)).tolist()
+        topk = int(rng.choice([0, 3]))
+        N = int(seq.max()) // 4
+        topk_rows = rng.integers(-2, N + 2, (qsl[-1] + 2, max(topk, 1)), dtype=I32)
+        run_combine(kind, topk_rows, qsl, seq.tolist(), gather, window, 4, topk,
+                    N + max(gather) + 1, N, left=left + [0, 0], right=right + [0, 0],
+                    max_image_tokens=max_image)
+
+
+def test_image_visibility_needs_both_sides():
+    args = (np.zeros((2, 1), I32), np.array([0, 2], I32), np.array([2], I32),
+            np.array([2], I32), 8, 1, 0, 10, 0)
+    out = (np.full((2, 128), POISON, I32), np.full(2, POISON, I32))
+    with pytest.raises(ValueError, match="right_visible: expected an int32 array with the "
+                                         "other visibility, got None"):
+        d4.combine_topk_swa_indices(*args, out, np.zeros(2, I32), None, 6)
+    with pytest.raises(ValueError, match="left_visible: expected at least 2 elements"):
+        d4.combine_topk_swa_indices(*args, out, np.zeros(1, I32), np.zeros(2, I32), 6)
+    assert all((o == POISON).all() for o in out)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -51,7 +51,7 @@ def test_fuzz_gpu_against_cpu(kind):
             to_kind(batch.block_table[:max(num_decodes, 1)], k), batch.storage_block_size,
             to_kind(batch.slot_mapping, k), max_compressed_tokens=width)] + [
             to_numpy(d4.get_compressed_slot_mapping(
-                batch.num_tokens, to_kind(batch.qsl, k), to_kind(batch.seq_lens, k),
+                batch.num_tokens, None, to_kind(batch.qsl, k), to_kind(batch.seq_lens, k),
                 to_kind(batch.block_table, k), batch.storage_block_size, batch.ratio)),
             to_numpy(d4.token_to_req_indices(to_kind(batch.qsl, k), batch.num_tokens))]
         for got, want in zip(run(kind), run("numpy")):

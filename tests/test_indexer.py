@@ -60,7 +60,8 @@ def test_num_compressed_past_or_short_of_the_total_and_a_slice_past_the_tokens(k
 def test_decode_mixed_query_lengths_and_padding(kind):
     qsl = [0, 0, 2, 8, 8, 12]                                        # query lens [0, 2, 6, 0, 4]
     table = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
-    context, req_ids, decode, rows = run_indexer_decode(kind, qsl, [5, 9, 20, 3, 7], table, 14, 4)
+    context, req_ids, decode, rows, _ = run_indexer_decode(kind, qsl, [5, 9, 20, 3, 7], table,
+                                                           14, 4)
     assert context.tolist() == [2, 2, 3, 4, 4, 4, 4, 5, 1, 1, 1, 1, 0, 0]
     assert req_ids.tolist() == [1, 1, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 5, 6]
     assert decode.tolist() == [1] * 14 and rows[12:].tolist() == [[0, 0]] * 2
@@ -81,9 +82,9 @@ def test_decode_upstream_grid(kind, query_lens, padding):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_clamps_negative_lengths_and_all_padding(kind):
-    context, req_ids, _, rows = run_indexer_decode(kind, [0, 3], [1], [[7]], 4, 1)
+    context, req_ids, _, rows, _ = run_indexer_decode(kind, [0, 3], [1], [[7]], 4, 1)
     assert context.tolist() == [0, 0, 1, 0] and req_ids.tolist() == [0, 0, 0, 1]
-    context, req_ids, _, rows = run_indexer_decode(kind, [0, 0, 0, 0], [0, 0, 0],
+    context, req_ids, _, rows, _ = run_indexer_decode(kind, [0, 0, 0, 0], [0, 0, 0],
                                                    [[1], [2], [3]], 17, 4)
     assert req_ids.tolist() == list(range(3, 20)) and (rows == 0).all()
     run_indexer_decode(kind, [0, 0, 0, 0], [0, 0, 0], [[1], [2], [3]], 0, 4)
@@ -95,14 +96,133 @@ def test_decode_zeroes_the_whole_tail_of_a_longer_length_buffer(kind):
     d4.build_indexer_decode_metadata(
         to_kind(np.array([0, 2], I32), kind), to_kind(np.array([9], I32), kind),
         to_kind(np.ones((1, 3), I32), kind), 5, 4,
-        out=(context, None, None, to_kind(np.full((5, 3), POISON, I32), kind)))
+        out=(context, None, None, to_kind(np.full((5, 3), POISON, I32), kind), None))
     assert to_numpy(context).tolist() == [2, 2, 0, 0, 0] + [0] * 59
     # Without tokens the whole buffer is zeroed too.
     context = to_kind(np.full(8, POISON, I32), kind)
     d4.build_indexer_decode_metadata(
         to_kind(np.array([0], I32), kind), to_kind(np.zeros(0, I32), kind),
-        to_kind(np.zeros((0, 3), I32), kind), 0, 4, out=(context, None, None, None))
+        to_kind(np.zeros((0, 3), I32), kind), 0, 4, out=(context, None, None, None, None))
     assert (to_numpy(context) == 0).all()
+
+
+# --- decode layouts of vLLM 0.34 ------------------------------------------------------------
+def run_native_decode(kind, qsl, seq_lens, max_decode_len, ratio, num_rows=None):
+    """The native op into poisoned buffers wider and longer than the result; checked
+    against the reference, the allocating call and the poison past the result."""
+    num_reqs = len(qsl) - 1
+    rows = num_reqs if num_rows is None else num_rows
+    args = (to_kind(np.array(qsl, I32), kind), to_kind(np.array(seq_lens, I32), kind),
+            max_decode_len, ratio, num_rows)
+    lens_buffer = to_kind(np.full((rows + 2, max_decode_len + 3), POISON, I32), kind)
+    lens_view = lens_buffer[:, :max_decode_len + 1]                  # any row stride
+    decode_buffer = to_kind(np.full(num_reqs + 2, POISON, I32), kind)
+    got = d4.build_indexer_native_decode_metadata(*args, out=(lens_view, decode_buffer))
+    lens_host, decode_host = to_numpy(lens_buffer), to_numpy(decode_buffer)
+    assert (lens_host[rows:] == POISON).all() and (lens_host[:, max_decode_len:] == POISON).all()
+    assert (decode_host[num_reqs:] == POISON).all()
+    want = upstream.indexer_native_decode(list(qsl), list(seq_lens), max_decode_len, ratio, rows)
+    np.testing.assert_array_equal(to_numpy(got[0]), np.array(want[0], I32).reshape(rows, max_decode_len))
+    np.testing.assert_array_equal(to_numpy(got[1]), np.array(want[1], I32))
+    for allocated, given in zip(d4.build_indexer_native_decode_metadata(*args), got):
+        np.testing.assert_array_equal(to_numpy(allocated), to_numpy(given))
+    return [to_numpy(x) for x in got]
+
+
+# vLLM 0.34's indexer builder on sm_90, with DeepGEMM's native depths (1, 2, 4):
+# (next_n, query lens, seq lens, num_decode_tokens, num_decodes, native lengths).
+SM90_NATIVE_CASES = [
+    (2, [2, 2, 2], [10, 7, 130], 6, 3, [[2, 2], [1, 1], [32, 32]]),
+    (2, [2, 2, 0], [10, 7, 0], 6, 3, [[2, 2], [1, 1], [0, 0]]),
+    (2, [2, 2, 5], [10, 7, 50], 4, 2, [[2, 2], [1, 1]]),
+    (2, [1, 1], [10, 13], 2, 2, [[2], [3]]),
+    (2, [2, 1, 2, 6], [10, 13, 20, 30], 2, 1, [[2, 2]]),
+    (1, [1, 1, 0], [9, 13, 0], 4, 3, [[2], [3], [0], [0]]),
+    (1, [1, 1, 12], [9, 13, 40], 2, 2, [[2], [3]]),
+    (4, [4, 4, 0], [10, 20, 0], 10, 3, [[1, 2, 2, 2], [4, 4, 4, 5], [0, 0, 0, 0]]),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", SM90_NATIVE_CASES, ids=lambda c: f"n{c[0]}-q{c[1]}")
+def test_native_decode_is_vllm_034s_sm90_layout(kind, case):
+    next_n, query_lens, seq_lens, num_decode_tokens, num_decodes, want = case
+    qsl = np.concatenate([[0], np.cumsum(query_lens[:num_decodes])]).tolist()
+    decode_lens = query_lens[:num_decodes]
+    if next_n == 1:                   # [num_decode_tokens, 1]: padding tokens' rows are 0
+        lens, per_request = run_native_decode(kind, qsl, seq_lens, 1, 4, num_decode_tokens)
+    else:
+        lens, per_request = run_native_decode(kind, qsl, seq_lens, max(decode_lens), 4)
+    assert lens.tolist() == want and per_request.tolist() == decode_lens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_decode_random_and_edges(kind):
+    rng = np.random.default_rng(40)
+    for _ in range(12):
+        num_reqs = int(rng.integers(0, 9))
+        depth = int(rng.integers(1, 6))
+        query = rng.integers(0, depth + 1, num_reqs)
+        seq = query + rng.integers(0, 3000, num_reqs)
+        qsl = np.concatenate([[0], np.cumsum(query)]).tolist()
+        run_native_decode(kind, qsl, seq.tolist(), depth, int(rng.choice([1, 4, 128])),
+                          num_reqs + int(rng.integers(0, 4)))
+    run_native_decode(kind, [0], [], 3, 4)                               # no request
+    lens, _ = run_native_decode(kind, [0, 1], [2**31 - 1], 2, 1)        # int32 limits
+    assert lens.tolist() == [[2**31 - 2, 2**31 - 1]]
+
+
+def test_native_decode_refuses_bad_input_before_any_write():
+    qsl, seq = np.array([0, 2, 5], I32), np.array([4, 9], I32)
+    lens, decode = np.full((3, 4), POISON, I32), np.full(3, POISON, I32)
+    for args, kwargs, match in [
+        ((qsl, seq, 0, 4), {}, "max_decode_len: expected an int >= 1"),
+        ((qsl, seq, 3, 4, 1), {}, "num_rows: expected an int >= 2"),
+        ((qsl, seq[:1], 3, 4), {}, "seq_lens: expected at least 2"),
+        ((qsl, seq, 5, 4), {}, r"out\[0\]: expected at least 5 columns"),
+        ((qsl, seq, 2, 4), {"validate": "full"},
+         r"max_decode_len: expected at least every request's query length, got 2 < 3"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            d4.build_indexer_native_decode_metadata(*args, out=(lens, decode), **kwargs)
+    assert (lens == POISON).all() and (decode == POISON).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flat_decode_is_vllm_034s_flatten_producers(kind):
+    # PrepareUniformDecodeKernel (every decode has next_n tokens): next_n 4, q [3, 3]
+    lens, req_ids, ones, rows, per_req = run_indexer_decode(
+        kind, [0, 3, 6], [10, 20], [[10, 11], [14, 15]], 6, 4)
+    want_lens, want_rows = upstream.indexer_uniform_flatten([10, 20], [[10, 11], [14, 15]], 2, 3,
+                                                            4)
+    assert lens.tolist() == want_lens == [2, 2, 2, 4, 4, 5] and rows.tolist() == want_rows
+    assert per_req.tolist() == [3, 3] and (ones == 1).all()
+    # the torch varlen flatten (next_n 3 on sm_90): q [3, 1, 2, 0], 8 decode tokens
+    qsl, seq, table = [0, 3, 4, 6, 6], [10, 13, 20, 0], [[10], [14], [18], [22]]
+    lens, req_ids, _, rows, per_req = run_indexer_decode(kind, qsl, seq, table, 8, 4)
+    want_lens, want_rows = upstream.indexer_torch_flatten(qsl, seq, table, 8, 4)
+    assert lens.tolist() == want_lens == [2, 2, 2, 3, 4, 5, 0, 0]
+    assert rows[:6].tolist() == want_rows[:6] and (rows[6:, 0] == 0).all()
+    assert per_req.tolist() == [3, 1, 2, 0] and req_ids.tolist() == [0, 0, 0, 1, 2, 2, 4, 5]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("query_lens", [[1], [6] * 16, [0, 2, 6, 0, 4], [0, 0, 0]],
+                         ids=["one", "sixteen", "mixed", "empty"])
+@pytest.mark.parametrize("padding", [0, 17])
+def test_fused_decode_metadata_cases_of_vllm_034(kind, query_lens, padding):
+    # vLLM 0.34's test_fused_indexer_decode_metadata: seq = q + 4096, 65 of 74 table columns
+    num_reqs, n = len(query_lens), sum(query_lens)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    table = np.arange(num_reqs * 74, dtype=I32).reshape(num_reqs, 74)[:, :65]
+    lens, req_ids, ones, rows, per_req = run_indexer_decode(
+        kind, qsl, [q + 4096 for q in query_lens], table, n + padding, 1)
+    assert lens[:n].tolist() == [4096 + j + 1 for q in query_lens for j in range(q)]
+    assert (lens[n:] == 0).all() and (ones == 1).all() and per_req.tolist() == query_lens
+    owners = np.repeat(np.arange(num_reqs), query_lens)
+    assert req_ids.tolist() == owners.tolist() + list(range(num_reqs, num_reqs + padding))
+    np.testing.assert_array_equal(rows[:n], table[owners])
+    assert (rows[n:] == 0).all()
 
 
 # --- chunk plan ---------------------------------------------------------------------------
@@ -194,6 +314,6 @@ def test_indexer_bad_input_names_the_argument_and_writes_nothing():
          r"num_tokens: expected at least query_start_loc\[-1\] \(5\), got 4"),
     ]:
         with pytest.raises(error, match=match):
-            d4.build_indexer_decode_metadata(*args[:5], out=(None, None, None, rows),
+            d4.build_indexer_decode_metadata(*args[:5], out=(None, None, None, rows, None),
                                              validate=args[5] if len(args) > 5 else "default")
     assert (rows == POISON).all()

@@ -253,58 +253,113 @@ def test_builder_under_dcp_equals_the_ops(kind, world, rank):
     np.testing.assert_array_equal(to_numpy(md.c128a_decode_topk_lens), want["c128a_decode_lens"])
 
 
-# --- slot-mapping signatures ----------------------------------------------------------------
-def slots(kind, num_tokens, qsl, seq, table, block_size, ratio, *args, **kwargs):
+# --- get_compressed_slot_mapping: vLLM 0.34's form ------------------------------------------
+def slots(kind, num_tokens, own, qsl, seq, table, block_size, ratio, *args, **kwargs):
+    """The op on ``kind`` arrays into a poisoned buffer two longer than the step;
+    ``own`` (the tokens' slots) None or a list."""
     out = to_kind(np.full(num_tokens + 2, POISON, I64), kind)
-    got = d4.get_compressed_slot_mapping(num_tokens, to_kind(np.array(qsl, I32), kind),
+    own = None if own is None else to_kind(np.array(own, I64), kind)
+    table = np.asarray(table, I32)
+    got = d4.get_compressed_slot_mapping(num_tokens, own, to_kind(np.array(qsl, I32), kind),
                                          to_kind(np.array(seq, I32), kind),
-                                         to_kind(np.array(table, I32), kind), block_size, ratio,
+                                         to_kind(table, kind), block_size, ratio,
                                          out, *args, **kwargs)
     assert to_numpy(got).shape == (num_tokens,)
     return to_numpy(out)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_token_slot_mapping_rule(kind):
-    qsl, seq, table = [0, 133], [260], [[7, 9]]
-    got = slots(kind, 133, qsl, seq, table, 2, 128)
-    assert got[0] == 14 and got[128] == 15 and (np.delete(got, [0, 128]) == -1).all()
-    own = np.zeros(133, I64)
-    own[0] = -1
-    got = slots(kind, 133, qsl, seq, table, 2, 128, token_slot_mapping=to_kind(own, kind))
-    assert got[128] == 15 and (np.delete(got, [128]) == -1).all()
-    # ignored with more than one rank (another rank may own the token)
-    got = slots(kind, 133, qsl, seq, table, 2, 128, 2, 0, token_slot_mapping=to_kind(own, kind))
-    assert got[0] == 14
+def test_a_token_whose_own_slot_is_minus_one_gets_none(kind):
+    # vLLM 0.34's test_compressed_slot_mapping_inherits_padded_token_slots
+    own = list(range(8))
+    own[:4] = [-1] * 4
+    got = slots(kind, 8, own, [0, 8], [8], [[3]], 4, 2)
+    np.testing.assert_array_equal(got, [-1, -1, -1, -1, -1, 14, -1, 15, -1, -1])
+    assert (got == upstream.compressed_slot_mapping_034(8, own, [0, 8], [8], [[3]], 4, 2,
+                                                        10)).all()
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_positional_context_parallel_arguments(kind):
-    for rank, want in ((0, {3: 192, 11: 193}), (1, {7: 192, 15: 193})):
-        got = slots(kind, 16, [0, 16], [16], [[3, 8]], 64, 4, 2, rank, 1)   # vLLM's B order
-        assert {i: int(v) for i, v in enumerate(got[:16]) if v >= 0} == want
-        alias = slots(kind, 16, [0, 16], [16], [[3, 8]], 64, 4, dcp_world_size=2, dcp_rank=rank)
-        np.testing.assert_array_equal(alias, got)
+def test_only_minus_one_marks_a_token_without_a_slot(kind):
+    # vLLM 0.34's indexer builder test gives slots of -123: the rule is == -1, not < 0.
+    # 40 tokens at positions 240..279, ratio 4, storage block 64: states 60..69
+    got = slots(kind, 40, [-123] * 40, [0, 40], [280], [[5, 7]], 64, 4)
+    assert [int(v) for v in got[:40] if v >= 0] == [*range(5 * 64 + 60, 5 * 64 + 64),
+                                                    *range(7 * 64, 7 * 64 + 6)]
+    np.testing.assert_array_equal(got, slots(kind, 40, None, [0, 40], [280], [[5, 7]], 64, 4))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dcp_owner_from_the_tokens_slots_and_token_interleave(kind, rank):
+    # vLLM 0.34's test_compressed_slot_mapping_dcp_uses_rank_local_state_positions:
+    # W 2, I 4 tokens, ratio 2, block 4, 32 tokens; a token of another rank has slot -1.
+    pos = np.arange(32)
+    own = np.where((pos // 4) % 2 == rank, 0, -1)
+    got = slots(kind, 32, own.tolist(), [0, 32], [32], [[5, 7]], 4, 2, 2, 4)   # positional
+    state = (pos // 8 * 4 + pos % 4) // 2
+    want = np.where(((pos // 4) % 2 == rank) & ((pos + 1) % 2 == 0),
+                    np.array([5, 7])[np.minimum(state // 4, 1)] * 4 + state % 4, -1)
+    np.testing.assert_array_equal(got[:32], want)
+    np.testing.assert_array_equal(got, upstream.compressed_slot_mapping_034(
+        32, own.tolist(), [0, 32], [32], [[5, 7]], 4, 2, 34, 2, 4))
+    # the library's rank-explicit form agrees, with or without the slots
+    explicit = slots(kind, 32, None, [0, 32], [32], [[5, 7]], 4, 2, 2, 4, dcp_rank=rank)
+    np.testing.assert_array_equal(explicit, got)
+
+
+@pytest.mark.parametrize("kind", KINDS[:1] + KINDS[len(HOST_KINDS):len(HOST_KINDS) + 1])
+def test_slot_mapping_fuzz_against_vllm_034(kind):
+    rng = np.random.default_rng(34)
+    for trial in range(60):
+        ratio = int(rng.choice([1, 2, 4, 128]))
+        world = int(rng.choice([1, 1, 2, 4]))
+        block = int(rng.choice([2, 4, 64]))
+        interleave = ratio * int(rng.choice([d for d in (1, 2, 4) if block % d == 0]))
+        num_reqs = int(rng.integers(0, 5))
+        query = rng.integers(0, 40, num_reqs)
+        seq = query + rng.integers(0, 600, num_reqs)
+        qsl = np.concatenate([[0], np.cumsum(query)]).astype(int)
+        T = int(qsl[-1]) + int(rng.integers(0, 4))
+        cols = int(rng.integers(1, 6))
+        table = rng.integers(-2, 50, (num_reqs, cols), dtype=I32)
+        own = rng.choice([-1, 0, 7, -9], T).tolist()
+        got = slots(kind, T, own, qsl.tolist(), seq.tolist(), table, block, ratio, world,
+                    interleave)
+        want = upstream.compressed_slot_mapping_034(T, own, qsl.tolist(), seq.tolist(),
+                                                    table.tolist(),
+                                                    block, ratio, T + 2, world, interleave)
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+
+
+def test_dcp_arguments_are_checked_before_any_write():
+    out = np.full(18, POISON, I64)
+    args = (16, np.zeros(16, I64), np.array([0, 16], I32), np.array([16], I32), np.array([[3, 8]], I32))
+    with pytest.raises(ValueError, match="cp_interleave: expected a multiple of compress_ratio 4 "
+                                         "when dcp_world_size > 1 .*, got 2"):
+        d4.get_compressed_slot_mapping(*args, 64, 4, out, 2, 2)
+    with pytest.raises(ValueError, match="slot_mapping: expected the tokens' slots"):
+        d4.get_compressed_slot_mapping(16, None, *args[2:], 64, 4, out, 2, 4)
+    with pytest.raises(ValueError, match="dcp_rank: expected an int <= 1"):
+        d4.get_compressed_slot_mapping(*args, 64, 4, out, 2, 4, dcp_rank=2)
+    assert (out == POISON).all()
+    # one rank: the interleave changes nothing
+    np.testing.assert_array_equal(d4.get_compressed_slot_mapping(*args, 64, 4, None, 1, 3),
+                                  d4.get_compressed_slot_mapping(*args, 64, 4))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_world_two_ratio_128(kind):
     for rank, entries in ((0, [127, 383, 639, 895]), (1, [255, 511, 767, 1023])):
-        got = slots(kind, 1024, [0, 1024], [1024], [[30, 31, 32, 33]], 2, 128, 2, rank)
+        got = slots(kind, 1024, None, [0, 1024], [1024], [[30, 31, 32, 33]], 2, 128, 2, 128,
+                    dcp_rank=rank)
         assert {i: int(v) for i, v in enumerate(got[:1024]) if v >= 0} == dict(
             zip(entries, [60, 61, 62, 63]))
 
 
-def test_conflicting_aliases_are_an_error():
-    with pytest.raises(ValueError, match="dcp_rank: conflicts with cp_rank"):
-        slots("numpy", 16, [0, 16], [16], [[3, 8]], 64, 4, 2, 0, dcp_world_size=2, dcp_rank=1)
-    # the same value under both names is fine
-    slots("numpy", 16, [0, 16], [16], [[3, 8]], 64, 4, 2, 1, dcp_world_size=2, dcp_rank=1)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_tokens_at_or_past_num_tokens_get_no_slot(kind):
-    got = slots(kind, 200, [0, 260], [260], [[7, 9, 11]], 2, 128)
+    got = slots(kind, 200, None, [0, 260], [260], [[7, 9, 11]], 2, 128)
     assert got[127] == 14 and (got[200:] == -1).all()
 
 

@@ -23,8 +23,8 @@ def device_inputs(batch, kind):
 
 def run_ops(inputs, outputs, num_tokens, num_decode_tokens):
     d4.token_to_req_indices(inputs["qsl"], num_tokens, out=outputs["req"])
-    d4.get_compressed_slot_mapping(num_tokens, inputs["qsl"], inputs["seq"], inputs["table"], 2,
-                                   128, outputs["slots"])
+    d4.get_compressed_slot_mapping(num_tokens, inputs["slots"], inputs["qsl"], inputs["seq"],
+                                   inputs["table"], 2, 128, outputs["slots"])
     return d4.build_c128a_topk_metadata(inputs["positions"], 128, num_decode_tokens,
                                         inputs["t2r"], inputs["table"], 2, inputs["slots"],
                                         outputs["decode"], outputs["lens"], outputs["prefill"],

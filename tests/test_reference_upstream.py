@@ -274,10 +274,14 @@ def test_slot_mapping_C1_and_rule_D():
                                      token_slot_mapping=tsm)
     expect[0] = NEG
     assert out == expect
-    # rule D ignored under CP (world 2, rank 0 owns state 0 = entry 0 -> bt[0]*2 + 0 = 14)
+    # rule D holds under CP too (vLLM 0.34): rank 0 owns state 0, but the token's slot is -1
     out = compressed_slot_mapping_v2(133, [0, 133], [260], [[7, 9]], 2, 128, 133,
                                      cp_world_size=2, cp_rank=0, token_slot_mapping=tsm)
-    assert out[0] == 14 and out[128] == NEG
+    assert out[0] == NEG and out[128] == NEG
+    # only -1 marks a token without a slot: -5 is a slot like any other
+    out = compressed_slot_mapping_v2(133, [0, 133], [260], [[7, 9]], 2, 128, 133,
+                                     token_slot_mapping=[-5] + [0] * 132)
+    assert out[0] == 14
 
 
 def test_slot_mapping_C2_world2_ratio4():
@@ -556,7 +560,8 @@ def test_indexer_prefill_ke_minus_ks_is_visible_rows():
 def test_indexer_decode_metadata_mixed():
     qsl = [0, 0, 2, 8, 8, 12]                    # query lens [0, 2, 6, 0, 4]
     bt = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
-    ctx, req, dl, rows = indexer_decode_metadata(qsl, [5, 9, 20, 3, 7], bt, 14, 4)
+    ctx, req, dl, rows, per_req = indexer_decode_metadata(qsl, [5, 9, 20, 3, 7], bt, 14, 4)
+    assert per_req == [0, 2, 6, 0, 4]
     assert ctx == [2, 2, 3, 4, 4, 4, 4, 5, 1, 1, 1, 1, 0, 0]
     assert req == [1, 1, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 5, 6]
     assert dl == [1] * 14
@@ -564,11 +569,11 @@ def test_indexer_decode_metadata_mixed():
 
 
 def test_indexer_decode_metadata_clamp_and_all_padding():
-    ctx, req, dl, rows = indexer_decode_metadata([0, 3], [1], [[7]], 4, 1)
+    ctx, req, dl, rows, _ = indexer_decode_metadata([0, 3], [1], [[7]], 4, 1)
     assert ctx == [0, 0, 1, 0] and req == [0, 0, 0, 1] and dl == [1] * 4
     assert rows == [[7], [7], [7], [0]]
     assert indexer_decode_metadata([0, 0, 0, 0], [0, 0, 0], [[1], [2], [3]], 0, 4) == \
-        ([], [], [], [])
-    ctx, req, dl, rows = indexer_decode_metadata([0, 0, 0, 0], [0, 0, 0], [[1], [2], [3]], 17, 4)
+        ([], [], [], [], [0, 0, 0])
+    ctx, req, dl, rows, _ = indexer_decode_metadata([0, 0, 0, 0], [0, 0, 0], [[1], [2], [3]], 17, 4)
     assert ctx == [0] * 17 and req == list(range(3, 20)) and dl == [1] * 17
     assert rows == [[0]] * 17

@@ -247,16 +247,17 @@ def test_a_garbage_position_does_not_size_the_output():
 
 def test_a_garbage_query_layout_costs_no_more_than_the_output():
     start = time.perf_counter()
-    out = d4.get_compressed_slot_mapping(4, np.array([-2**31, 2**31 - 1], I32),
+    out = d4.get_compressed_slot_mapping(4, None, np.array([-2**31, 2**31 - 1], I32),
                                          np.array([2**31 - 1], I32), np.zeros((1, 4), I32), 2, 128)
     assert time.perf_counter() - start < 1.0 and to_numpy(out).shape == (4,)
 
 
 def test_an_interleave_larger_than_the_storage_block_is_refused():
-    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size: expected a divisor of the "
-                                         "storage block size 2 when cp_world_size > 1, got 4"):
-        d4.get_compressed_slot_mapping(4, np.array([0, 4], I32), np.array([4], I32),
-                                       np.zeros((1, 4), I32), 2, 128, None, 2, 0, 4)
+    with pytest.raises(ValueError, match=r"cp_interleave // compress_ratio: expected a divisor "
+                                         r"of the storage block size 2 when dcp_world_size > 1, "
+                                         r"got 4"):
+        d4.get_compressed_slot_mapping(4, None, np.array([0, 4], I32), np.array([4], I32),
+                                       np.zeros((1, 4), I32), 2, 128, None, 2, 512, dcp_rank=0)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size: expected a divisor"):
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, dcp_world_size=2,
                                      cp_kv_cache_interleave_size=64)
@@ -278,8 +279,8 @@ def test_read_only_and_column_sliced_inputs_compile_nothing_after_warmup():
                                  outputs[10:, :256])
     qsl = batch.qsl.copy()
     qsl.flags.writeable = False
-    d4.get_compressed_slot_mapping(batch.num_tokens, qsl, batch.seq_lens, table, 2, 128,
-                                   token_slot_mapping=batch.slot_mapping.astype(I32))
+    d4.get_compressed_slot_mapping(batch.num_tokens, batch.slot_mapping.astype(I32), qsl,
+                                   batch.seq_lens, table, 2, 128)
     d4.token_to_req_indices(qsl, 9)
     cm = common_metadata(batch, "numpy")
     cm.block_table_tensor, cm.positions = table, positions
@@ -298,7 +299,7 @@ def check_error(call, error, match):
      ValueError, "out: expected a writable array"),
     (lambda: d4.split_decodes_and_prefills(np.array([0, 1], I32), max_query_len="3"),
      TypeError, "max_query_len: expected an int, got str '3'"),
-    (lambda: d4.get_compressed_slot_mapping(1, np.array([0, 1], I32), np.array([1], I32),
+    (lambda: d4.get_compressed_slot_mapping(1, None, np.array([0, 1], I32), np.array([1], I32),
                                             np.zeros((1, 1), I32), 2, 128, validate="full",
                                             num_cache_blocks="10"),
      TypeError, "num_cache_blocks: expected an int"),
@@ -381,7 +382,7 @@ def test_split_counts_for_every_ratio(kind, ratio):
 
 
 def test_a_logical_block_passed_to_an_op_warns_under_full_validation():
-    args = (4, np.array([0, 4], I32), np.array([4], I32), np.zeros((1, 4), I32))
+    args = (4, None, np.array([0, 4], I32), np.array([4], I32), np.zeros((1, 4), I32))
     with pytest.warns(UserWarning, match=r"block_size: the ops take the storage block, 256 // "
                                          r"compress_ratio = 2 for DeepSeek-V4, got 256 \(the "
                                          r"logical block\?\)"):

@@ -55,10 +55,18 @@ def composition(cms, builder):
         out.update(swa_prefill_indices=rows[nd:], swa_prefill_lens=lens[nd:])
     for group in ("c4a", "indexer"):
         out[f"{group}_slot_mapping"] = d4.get_compressed_slot_mapping(
-            T, qsl, seq, cms[group].block_table_tensor, 64, 4)[:T]
-    if nd:
+            T, None, qsl, seq, cms[group].block_table_tensor, 64, 4)[:T]
+    if nd and builder.indexer_decode_layout == "native":
+        depth = int(np.diff(host_qsl[:nr + 1]).max())
+        lens, decode_lens = d4.build_indexer_native_decode_metadata(
+            qsl[:nr + 1], seq, *((1, 4, nd) if builder.next_n == 1 else (depth, 4)))
+        out.update(indexer_context_lens=lens, indexer_decode_lens=decode_lens,
+                   indexer_per_req_decode_lens=decode_lens,
+                   indexer_block_rows=cms["indexer"].block_table_tensor[:nr])
+    elif nd:
         (out["indexer_context_lens"], out["indexer_req_ids"], out["indexer_decode_lens"],
-         out["indexer_block_rows"]) = d4.build_indexer_decode_metadata(
+         out["indexer_block_rows"], out["indexer_per_req_decode_lens"]) = \
+            d4.build_indexer_decode_metadata(
             qsl[:nr + 1], seq, cms["indexer"].block_table_tensor, nd, 4)
     if npf:
         gather = d4.compute_prefill_gather_lens(qsl, seq, nr, npf, W)
@@ -150,6 +158,29 @@ def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
             assert len(launches) == 1
         assert_equal(got, composition(cms, builder))
         assert (got.c4a_short_context_topk_indices is not None) == short
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", [0, 1, 3])
+def test_the_native_indexer_decode_layout_equals_its_op(kind, spec, monkeypatch):
+    rng = np.random.default_rng(20 + spec)
+    builder = d4.DeepseekV4StepMetadataBuilder(
+        MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=spec, indexer_decode_layout="native",
+        like=to_kind(np.zeros(1, I32), kind))
+    launches = count_launches(monkeypatch)
+    for decodes, prefills, pad, short in STEPS:
+        cms = make_step(rng, decodes, prefills, pad, short, kind,
+                        decode_len=None if spec else 1)
+        poison(builder)
+        del launches[:]
+        got = builder.build(0, cms)
+        if kind in GPU_KINDS:
+            assert len(launches) == 1
+        assert got.indexer_req_ids is None
+        if got.num_decode_tokens:
+            rows = got.num_decodes if spec else got.num_decode_tokens
+            assert to_numpy(got.indexer_context_lens).shape[0] == rows
+        assert_equal(got, composition(cms, builder))
 
 
 @pytest.mark.parametrize("kind", KINDS)

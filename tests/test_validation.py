@@ -114,20 +114,25 @@ def test_token_map_and_slot_mapping_reject():
     assert (out == POISON).all()
     batch = make_batch([3, 4], [10, 20])
     slots = np.full(9, POISON, I64)
-    base = (7, batch.qsl, batch.seq_lens, batch.block_table, 2, 128)
-    bad = [((7, batch.qsl[:2]) + base[2:], ValueError, "query_start_loc: expected at least 3 elements"),
-           ((7, batch.qsl, batch.seq_lens[:1]) + base[3:], ValueError, "seq_lens: expected at least 2"),
-           (base[:4] + (0, 128), ValueError, "block_size: expected an int >= 1"),
-           (base[:5] + (0,), ValueError, "compress_ratio: expected an int >= 1"),
-           ((10,) + base[1:], ValueError, "out: expected at least 10 elements")]
+    base = (7, batch.slot_mapping, batch.qsl, batch.seq_lens, batch.block_table, 2, 128)
+    bad = [(base[:2] + (batch.qsl[:2],) + base[3:], ValueError,
+            "query_start_loc: expected at least 3 elements"),
+           (base[:3] + (batch.seq_lens[:1],) + base[4:], ValueError,
+            "seq_lens: expected at least 2"),
+           (base[:5] + (0, 128), ValueError, "block_size: expected an int >= 1"),
+           (base[:6] + (0,), ValueError, "compress_ratio: expected an int >= 1"),
+           (base[:1] + (batch.slot_mapping[:6],) + base[2:], ValueError,
+            "slot_mapping: expected at least 7 elements"),
+           ((10, np.zeros(10, I64)) + base[2:], ValueError, "out: expected at least 10 elements")]
     for args, error, match in bad:
         with pytest.raises(error, match=match):
             d4.get_compressed_slot_mapping(*args, out=slots)
         assert (slots == POISON).all()
     with pytest.raises(TypeError, match="out: expected dtype int64, got int32"):
         d4.get_compressed_slot_mapping(*base, out=np.zeros(9, I32))
-    with pytest.raises(ValueError, match="cp_rank: expected an int <= 1"):
-        d4.get_compressed_slot_mapping(*base, out=slots, cp_world_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="dcp_rank: expected an int <= 1"):
+        d4.get_compressed_slot_mapping(*base, out=slots, dcp_world_size=2, cp_interleave=128,
+                                       dcp_rank=2)
 
 
 def test_split_refuses_device_and_bad_input():
@@ -145,11 +150,11 @@ def test_full_validation_catches_bad_data(validate):
     with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
         d4.token_to_req_indices(np.array([0, 5, 3], I32), 5, validate=validate)
     with pytest.raises(ValueError, match="seq_lens: expected seq_len >= query_len"):
-        d4.get_compressed_slot_mapping(7, batch.qsl, np.array([1, 24], I32), batch.block_table, 2,
+        d4.get_compressed_slot_mapping(7, None, batch.qsl, np.array([1, 24], I32), batch.block_table, 2,
                                        128, validate=validate)
     with pytest.raises(ValueError, match="block_table: request 0 needs 2 blocks"), \
             pytest.warns(UserWarning, match="the ops take the storage block"):
-        d4.get_compressed_slot_mapping(300, np.array([0, 300], I32), np.array([300], I32),
+        d4.get_compressed_slot_mapping(300, None, np.array([0, 300], I32), np.array([300], I32),
                                        np.zeros((1, 1), I32), 1, 128, validate=validate)
     with pytest.raises(ValueError, match=r"block_table: expected entries in \[0, 10\)"):
         table = np.full((1, 8), 50, I32)

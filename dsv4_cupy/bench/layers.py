@@ -197,7 +197,7 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
         qsl, seq, _, _ = (cuda(x) for x in _requests(rng, [1] * tokens))
         cols = MAX_MODEL_LEN // 256
         table = cuda(rng.integers(0, 1 << 22, (tokens, cols), dtype=np.int32))
-        outs = (empty(tokens), empty(tokens), empty(tokens), empty(tokens, cols))
+        outs = (empty(tokens), empty(tokens), empty(tokens), empty(tokens, cols), empty(tokens))
         return (lambda: d4.build_indexer_decode_metadata(qsl, seq, table, tokens, C4A_RATIO,
                                                          out=outs),
                 None, outs, None, tokens * (3 + cols) * 4 / 1e6)

@@ -93,7 +93,8 @@ def upstream_sequence(torch, d4, ports, step, cms, spec: int, max_model_len: int
              for group in ("c4a", "indexer", "c128a")}
     indexer_table = cms["indexer"].block_table_tensor
     indexer_out = (torch.zeros(max_tokens, **i32), torch.zeros(nd, **i32),
-                   torch.zeros(nd, **i32), torch.zeros(nd, indexer_table.shape[1], **i32))
+                   torch.zeros(nd, **i32), torch.zeros(nd, indexer_table.shape[1], **i32),
+                   torch.zeros(nd, **i32))
     capacity = d4.c128a_capacity(max_model_len)
     width = d4.c128a_active_width(cm.max_seq_len, capacity)
     c128a_out = (torch.full((nd, width), -1, **i32), torch.zeros(nd, **i32),
@@ -132,8 +133,9 @@ def upstream_sequence(torch, d4, ports, step, cms, spec: int, max_model_len: int
             d4.compute_prefill_gather_lens(qsl, seq, nr, npf, WINDOW, out=gather)
         for group, block, ratio in (("c4a", C4A_BLOCK, 4), ("indexer", C4A_BLOCK, 4),
                                     ("c128a", C128A_BLOCK, 128)):          # the other builders
-            d4.get_compressed_slot_mapping(T, qsl, seq, cms[group].block_table_tensor, block,
-                                           ratio, out=slots[group])
+            d4.get_compressed_slot_mapping(T, cms[group].slot_mapping, qsl, seq,
+                                           cms[group].block_table_tensor, block, ratio,
+                                           out=slots[group])
         if nd:
             d4.build_indexer_decode_metadata(decode_qsl, seq, indexer_table, nd, 4,
                                              out=indexer_out)
