@@ -14,6 +14,7 @@ from .errors import (Dsv4Error, KernelCompileError, NoGPUError, NVRTCMissingErro
                      UnsupportedDeviceError)
 from .global_topk import compute_global_topk_indices_and_lens
 from .indexer_decode import build_indexer_decode_metadata
+from .image_visibility import compute_image_visibility, image_span_csr
 from .indexer_native_decode import build_indexer_native_decode_metadata
 from .indexer_gather import cp_gather_indexer_k_quant_cache
 from .indexer_insert import indexer_k_quant_and_cache
@@ -31,7 +32,7 @@ from .short_context import fill_short_context_topk_indices
 from .slot_mapping import get_compressed_slot_mapping
 from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, KV_BLOCK_SIZE,
                    PAD_SLOT_ID, DeepseekV4FlashMLABackend, c128a_active_width, c128a_capacity,
-                   kv_cache_shape)
+                   get_dspark_swa_index_width, kv_cache_shape)
 from .split import split_decodes_and_prefills
 from .step_builder import DeepseekV4StepMetadata, DeepseekV4StepMetadataBuilder
 from .swa import compute_swa_indices_and_lens
@@ -52,7 +53,8 @@ __all__ = [
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "compute_prefill_gather_lens",
     "get_prefill_chunk_plan", "build_indexer_prefill_chunk_metadata",
     "build_indexer_decode_metadata", "build_indexer_native_decode_metadata", "c4a_layer_topk",
-    "build_c128a_combined_prefill_rows",
+    "build_c128a_combined_prefill_rows", "compute_image_visibility", "image_span_csr",
+    "get_dspark_swa_index_width",
     "set_programmatic_launch", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
     "dequantize_and_gather_prefill_kv", "indexer_k_quant_and_cache",
     "cp_gather_indexer_k_quant_cache", "KVCacheLayout", "kv_cache_layout", "kv_cache_view",

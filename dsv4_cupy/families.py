@@ -14,6 +14,7 @@ MODULE_NAMES = (
     "slot_mapping",
     "c128a",
     "swa",
+    "image_visibility",
     "global_topk",
     "short_context",
     "combine",

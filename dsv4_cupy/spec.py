@@ -67,12 +67,21 @@ def round_up(a: int, b: int) -> int:
 
 #: FlashMLA sparse prefill needs the row width to be a multiple of its top-k block.
 COMBINED_WIDTH_ALIGNMENT = 128
+#: DSpark's non-causal SWA rows are padded to this many columns.
+DSPARK_WIDTH_ALIGNMENT = 64
 
 
 def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> int:
     """``C = round_up(topk + window_size + max_image_tokens, 128)``: 640 (C4A Flash),
     8320 (C128A at 1M), 128 (SWA); images widen a row by what a token may see of them."""
     return round_up(topk + window_size + max_image_tokens, COMBINED_WIDTH_ALIGNMENT)
+
+
+def get_dspark_swa_index_width(window_size: int, num_speculative_tokens: int) -> int:
+    """Columns of DSpark's non-causal SWA rows (vLLM 0.34's function of the same
+    name): ``round_up(window + speculative tokens, 64)``, negatives read as 0."""
+    return round_up(max(window_size, 0) + max(num_speculative_tokens, 0),
+                    DSPARK_WIDTH_ALIGNMENT)
 
 
 def next_power_of_2(n: int) -> int:

@@ -1,6 +1,11 @@
 // compute_swa_indices_and_lens: row i is token t = i + token_offset; a valid
 // token at position p gets the SWA-cache slots of positions max(p - W + 1, 0)
-// .. p (block_table[b][pos / bs] * bs + pos % bs), then -1. One rule for what
+// .. p (block_table[b][pos / bs] * bs + pos % bs), then -1 to index_width
+// columns. vLLM 0.34's extensions widen or move that window: image visibility
+// (l, r: it starts max(l - W + 1, 0) earlier and ends r later), the request's
+// replay start (no position before it), and DSpark's non-causal rows (every
+// token of a request sees [max(L - q - W, 0), L)); the host compiles the window
+// in only without them. One rule for what
 // cannot be addressed: an invalid token, a request outside the table (or
 // seq_lens) or a negative position gets an all -1 row and length 0; window
 // positions past the table row's blocks are -1 and not counted. A warp per
@@ -19,10 +24,15 @@ struct SwaParams {               // compute_swa_indices_and_lens
     BlockTable table;            // the SWA group's block table
     const int* token_to_req;     // [token_offset + num_rows] int32
     const void* is_valid_token;  // [token_offset + num_rows] bool (one byte each)
-    int* indices;                // [num_rows, indices_stride] int32, window_size columns written
+    int* indices;                // [num_rows, indices_stride] int32, index_width columns written
     int* lens;                   // [num_rows] int32
+    const int* left_visible;     // [token_offset + num_rows] int32 image positions before the
+    const int* right_visible;    // window and after the token, or both null
+    const int* replay_start;     // [num_reqs] int32 first position with window KV, or null
     i64 indices_stride;
-    i64 window_size;             // W, columns per row (128)
+    i64 window_size;             // W (128)
+    i64 index_width;             // columns per row, >= W (W + max_image_tokens, DSpark's width)
+    i64 causal;                  // 0: DSpark's non-causal rows
     i64 block_size;              // SWA cache rows per block (64)
     i64 token_offset;            // row i is token i + token_offset
     i64 num_rows;
@@ -57,6 +67,12 @@ struct Window {
     __device__ __forceinline__ Window(IndexT position, IndexT span, int window)
         : start(max(position - (IndexT)window + 1, (IndexT)0)),
           count((int)max(min(position + 1, span) - start, (IndexT)0)) {}
+    // The same window widened by `before` positions ahead of it and `after`
+    // past `position`, starting at `floor` or later, at most `width` counted.
+    __device__ __forceinline__ Window(i64 position, i64 span, i64 window, i64 before, i64 after,
+                                      i64 floor, int width)
+        : start(max(max(position - window + 1 - before, (i64)0), floor)),
+          count((int)clamp_i64(min(position + 1 + after, span) - start, 0, width)) {}
 };
 
 // A token's validity and request, as a row of the SWA rows reads them.
@@ -93,10 +109,11 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 requests = min(p.query.num_reqs, p.table.rows);
     const int window = compiled_or<kWindow>(p.window_size);
+    const int width = kWindow != DSV4_RUN_TIME ? kWindow : (int)p.index_width;
     const i64 span = p.table.cols * p.block_size;
     with_block_divisor<kBlockSize>((int)p.block_size, [&](auto bs) {
         fill_rows<kLoop, kLanes, kThreads>(p.indices, p.indices_stride, p.lens, p.num_rows,
-                                           window, blocks, [&](i64 i) {
+                                           width, blocks, [&](i64 i) {
             SwaRow<decltype(bs)> row{nullptr, 0, 0, bs};
             const i64 t = i + p.token_offset;
             if (requests <= 0) return row;
@@ -118,10 +135,22 @@ __device__ __forceinline__ void swa_rows(const SwaParams& p, const Blocks& block
                 row.first_block = table_row + first_column;
                 row.first_within = (int)(w.start - first_column * bs.size);
             };
-            if constexpr (kWindow != DSV4_RUN_TIME)
+            if constexpr (kWindow != DSV4_RUN_TIME) {
                 place(Window<int>((int)min(position, (i64)DSV4_POSITION_LIMIT), (int)span, window));
-            else
-                place(Window<i64>(position, span, window));
+            } else {
+                i64 last = position, reach = window, before = 0, after = 0, floor = 0;
+                if (p.left_visible != nullptr) {
+                    before = max((i64)p.left_visible[t] - (window - 1), (i64)0);
+                    after = p.right_visible[t];
+                }
+                if (p.replay_start != nullptr) floor = p.replay_start[request];
+                if (!p.causal) {        // the request's last position, reaching back over its query
+                    const i64 query_len = (i64)qsl[request + 1] - qsl[request];
+                    last = position + ((i64)qsl[request + 1] - 1 - t);
+                    reach = window + query_len;
+                }
+                place(Window<i64>(last, span, reach, before, after, floor, width));
+            }
             return row;
         });
     });

@@ -203,20 +203,33 @@ def same(got, want):
 
 # --- SWA ----------------------------------------------------------------------------------
 def run_swa(kind, window, qsl, seq_lens, token_to_req, is_valid, table, block_size,
-            token_offset=0, num_rows=None, reference=True):
+            token_offset=0, num_rows=None, reference=True, **extensions):
+    """The op into poisoned buffers, against the allocating call and the reference;
+    ``extensions``: vLLM 0.34's index_width, left_visible, right_visible (lists),
+    replay_start (a list), causal."""
     rows = len(token_to_req) - token_offset if num_rows is None else num_rows
+    width = extensions.get("index_width") or window
     args = (window, to_kind(np.array(qsl, I32), kind), to_kind(np.array(seq_lens, I32), kind),
             to_kind(np.array(token_to_req, I32), kind), to_kind(np.array(is_valid, bool), kind),
             strided(table, kind), block_size, token_offset, num_rows)
-    indices = to_kind(poisoned((rows + EXTRA_ROWS, 1, window + EXTRA_COLS)), kind)
+    kwargs = {name: to_kind(np.array(value, I32), kind) if isinstance(value, list) else value
+              for name, value in extensions.items()}
+    indices = to_kind(poisoned((rows + EXTRA_ROWS, 1, width + EXTRA_COLS)), kind)
     lens = to_kind(poisoned(rows + EXTRA_ROWS), kind)
-    got = d4.compute_swa_indices_and_lens(*args, out=(indices, lens))
-    assert tuple(got[0].shape) == (rows, 1, window) and tuple(got[1].shape) == (rows,)
-    assert_poison_past(indices, rows, window)
+    got = d4.compute_swa_indices_and_lens(*args, out=(indices, lens), **kwargs)
+    assert tuple(got[0].shape) == (rows, 1, width) and tuple(got[1].shape) == (rows,)
+    assert_poison_past(indices, rows, width)
     assert_poison_past(lens, rows)
-    same(d4.compute_swa_indices_and_lens(*args), got)
+    same(d4.compute_swa_indices_and_lens(*args, **kwargs), got)
     got = to_numpy(got[0])[:, 0], to_numpy(got[1])
-    if reference:
+    if reference and extensions:
+        want = upstream.swa_indices_and_lens_034(
+            window, width, list(qsl), list(seq_lens), list(token_to_req),
+            [bool(v) for v in is_valid], np.asarray(table).tolist(), block_size, token_offset,
+            rows, extensions.get("left_visible"), extensions.get("right_visible"),
+            extensions.get("replay_start"), extensions.get("causal", True))
+        same(got, [np.array(want[0], I32).reshape(rows, width), np.array(want[1], I32)])
+    elif reference:
         want = upstream.swa_indices_and_lens(window, list(qsl), list(seq_lens), list(token_to_req),
                                              [bool(v) for v in is_valid],
                                              np.asarray(table).tolist(), block_size, token_offset,

@@ -15,7 +15,7 @@ from reference import PAD_ID, c_div, c_mod, cdiv, round_up, wrap_i32
 
 __all__ = [
     "split_decodes_and_prefills_v2", "c128a_topk_v2", "compressed_slot_mapping_v2",
-    "compressed_slot_mapping_034",
+    "compressed_slot_mapping_034", "swa_indices_and_lens_034",
     "dcp_local_seq_lens", "swa_indices_and_lens", "global_topk_indices_and_lens",
     "fill_short_context_topk_indices", "combine_topk_swa_indices", "prefill_gather_lens",
     "prefill_chunk_plan", "indexer_prefill_chunk_metadata", "indexer_decode_metadata",
@@ -285,6 +285,57 @@ def swa_indices_and_lens(window_size: int, qsl: list[int], seq_lens: list[int],
                     if col >= len(block_table[b]):
                         break                        # this and all later entries: -1
                     row[k] = wrap_i32(block_table[b][col] * bs + (s + k) % bs)
+                    length += 1
+        rows.append(row)
+        lens.append(length)
+    return rows, lens
+
+
+def swa_indices_and_lens_034(window_size: int, index_width: int, qsl: list[int],
+                             seq_lens: list[int], token_to_req: list[int],
+                             is_valid_token: list[bool], block_table: list[list[int]],
+                             block_size: int, token_offset: int, num_rows: int,
+                             left_visible: list[int] | None = None,
+                             right_visible: list[int] | None = None,
+                             replay_start: list[int] | None = None, causal: bool = True):
+    """vLLM 0.34's _compute_swa_indices_and_lens_kernel (causal) and
+    ComputeDSparkNoncausalSWAIndicesKernel (causal False), read as written, with the
+    library's guards on inputs vLLM would read out of bounds with.
+
+    Row i is token t = i + token_offset, index_width columns. Invalid token -> len 0, row -1.
+    Causal: r = t2r[t], p = L[r] - q[r] + (t - qsl[r]); l, r' = left/right_visible[t] (0);
+    start = max(p - (W-1) - max(l - (W-1), 0), 0, replay_start[r] (0)); end = p + r' + 1.
+    Non-causal: start = max(L[r] - q[r] - W, 0), end = L[r], for every token of the request.
+    len = end - start; row[k] = slot(start + k) for k < len, -1 after.
+    Guards: a request outside the table/seq_lens/qsl or p < 0 -> -1 row, len 0; a block
+    column past the row stops the row there; len clamped to [0, index_width] (vLLM's goes
+    negative when replay_start > p).
+    """
+    W, bs = window_size, block_size
+    R = len(qsl) - 1
+    rows, lens = [], []
+    for i in range(num_rows):
+        t = i + token_offset
+        row = [PAD_ID] * index_width
+        length = 0
+        b = token_to_req[t]
+        if is_valid_token[t] and 0 <= b < len(block_table) and b < len(seq_lens) and b < R:
+            q = qsl[b + 1] - qsl[b]
+            p = (seq_lens[b] - q) + (t - qsl[b])
+            if p >= 0:
+                if causal:
+                    left = left_visible[t] if left_visible is not None else 0
+                    right = right_visible[t] if right_visible is not None else 0
+                    floor = replay_start[b] if replay_start is not None else 0
+                    start = max(p - (W - 1) - max(left - (W - 1), 0), 0, floor)
+                    end = p + right + 1
+                else:
+                    start, end = max(seq_lens[b] - q - W, 0), seq_lens[b]
+                for k in range(min(max(end - start, 0), index_width)):
+                    col = (start + k) // bs
+                    if col >= len(block_table[b]):
+                        break
+                    row[k] = wrap_i32(block_table[b][col] * bs + (start + k) % bs)
                     length += 1
         rows.append(row)
         lens.append(length)

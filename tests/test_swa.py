@@ -9,6 +9,7 @@ import pytest
 
 import dsv4_cupy as d4
 
+import reference_upstream as upstream
 from conftest import KINDS, to_kind, to_numpy
 from helpers import POISON, random_swa_case, run_gather_lens, run_swa
 
@@ -163,3 +164,151 @@ def test_full_validation():
         d4.compute_prefill_gather_lens(np.array([0, 1], I32), np.array([3], I32), -1, 1)
     with pytest.raises(ValueError, match="query_start_loc: expected at least 3 elements"):
         d4.compute_prefill_gather_lens(np.array([0, 1], I32), np.array([3, 4], I32), 1, 1)
+
+
+# --- vLLM 0.34's windows: images, replay start, DSpark --------------------------------------
+# test_deepseek_v4_swa_visible's CASES: (seq lens, query lens, inclusive image spans)
+VISIBLE_CASES = [([30, 12], [30, 12], [[(4, 12), (20, 24)], []]),
+                 ([26], [26], [[(2, 17)]]),
+                 ([40, 9], [16, 9], [[(30, 38)], []]),
+                 ([7, 15], [7, 15], [[(0, 6)], [(10, 14)]])]
+
+
+def visible_batch(seq, queries):
+    """That test's batch: all tokens valid, request r's block table r * blocks + k."""
+    qsl = np.concatenate([[0], np.cumsum(queries)]).tolist()
+    t2r = np.repeat(np.arange(len(queries)), queries).tolist()
+    blocks = -(-max(seq) // 64)
+    table = np.arange(len(queries) * blocks, dtype=I32).reshape(len(queries), blocks)
+    return qsl, t2r, table
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", range(len(VISIBLE_CASES)))
+def test_image_spans_widen_the_rows_as_in_vllm_034(kind, case):
+    seq, queries, spans = VISIBLE_CASES[case]
+    qsl, t2r, table = visible_batch(seq, queries)
+    left, right = run_visibility(kind, qsl, seq, t2r, spans, 6)
+    rows, lens = run_swa(kind, 8, qsl, seq, t2r, [True] * len(t2r), table, 64, index_width=14,
+                         left_visible=left, right_visible=right)
+    # that test's reference: the slots of [max(p - 7 - max(l - 7, 0), 0), p + r + 1)
+    positions = [s - q + j for s, q in zip(seq, queries) for j in range(q)]
+    for t, (p, b) in enumerate(zip(positions, t2r)):
+        window = range(max(p - 7 - max(left[t] - 7, 0), 0), p + right[t] + 1)
+        assert lens[t] == len(window)
+        assert rows[t].tolist() == [table[b, x // 64] * 64 + x % 64 for x in window] + [-1] * (
+            14 - len(window))
+    plain = run_swa(kind, 8, qsl, seq, t2r, [True] * len(t2r), table, 64)
+    no_image = run_swa(kind, 8, qsl, seq, t2r, [True] * len(t2r), table, 64, index_width=14)
+    np.testing.assert_array_equal(no_image[0][:, :8], plain[0])
+    assert (no_image[0][:, 8:] == -1).all() and (no_image[1] == plain[1]).all()
+
+
+def run_visibility(kind, qsl, seq, t2r, spans, max_image_tokens, token_offset=0):
+    """compute_image_visibility from the spans' CSR into poisoned buffers; checked
+    against the reference; returns (left, right) as lists."""
+    indptr, starts, ends = d4.image_span_csr(dict(enumerate(spans)), len(qsl) - 1)
+    n = len(t2r)
+    args = [to_kind(x, kind) for x in (indptr, starts, ends, np.array(qsl, I32),
+                                       np.array(seq, I32), np.array(t2r, I32))]
+    out = [to_kind(np.full(n + 3, POISON, I32), kind) for _ in range(2)]
+    got = d4.compute_image_visibility(*args, max_image_tokens, token_offset, out=out)
+    for buffer in out:
+        assert (to_numpy(buffer)[n:] == POISON).all()
+    left, right = (to_numpy(x).tolist() for x in got)
+    want_left, want_right = upstream.image_visibility(qsl, seq, spans, max_image_tokens)
+    assert left == [0] * token_offset + want_left[token_offset:]
+    assert right == [0] * token_offset + want_right[token_offset:]
+    same_again = d4.compute_image_visibility(*args, max_image_tokens, token_offset)
+    assert [to_numpy(x).tolist() for x in same_again] == [left, right]
+    return left, right
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_image_visibility_is_vllm_034s(kind):
+    seq, queries, spans = VISIBLE_CASES[0]
+    qsl, t2r, _ = visible_batch(seq, queries)
+    left, right = run_visibility(kind, qsl, seq, t2r, spans, 6)
+    assert left[:13] == [0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 5, 5, 5]
+    assert right[:13] == [0, 0, 0, 0, 6, 6, 6, 5, 4, 3, 2, 1, 0]
+    run_visibility(kind, qsl, seq, t2r, spans, 6, token_offset=20)   # decodes before: 0, 0
+
+
+def test_image_span_csr_and_its_refusals():
+    indptr, starts, ends = d4.image_span_csr({0: [(4, 12), (20, 24)], 2: [(1, 1)]}, 3)
+    assert indptr.tolist() == [0, 2, 2, 3] and starts.tolist() == [4, 20, 1]
+    assert ends.tolist() == [12, 24, 1]
+    assert [x.tolist() for x in d4.image_span_csr(None, 2)] == [[0, 0, 0], [], []]
+    with pytest.raises(ValueError, match="mm_req_doc_ranges: expected"):
+        d4.image_span_csr({0: [(1, 2, 3)]}, 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replay_start_bounds_the_window(kind):
+    # vLLM 0.34's test_builder_replay_start_bounds_prefill_window_and_gather: window 8
+    seq, queries = [40, 12, 30], [24, 12, 10]
+    qsl, t2r, table = visible_batch(seq, queries)
+    rows, lens = run_swa(kind, 8, qsl, seq, t2r, [True] * 46, table, 64,
+                         replay_start=[12, 0, 0])
+    assert lens[0] == 5 and lens[23] == 8              # position 16 sees 12..16
+    # a replay start past the position: vLLM's length goes negative, here 0 and -1s
+    rows, lens = run_swa(kind, 4, [0, 1, 13], [7, 12], [0] + [1] * 12, [True] * 13,
+                         [[3, 5], [8, 9]], 8, replay_start=[0, 5])
+    assert lens[1:9].tolist() == [0, 0, 0, 0, 0, 1, 2, 3] and (rows[1:6] == -1).all()
+    assert rows[7].tolist() == [69, 70, -1, -1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dspark_noncausal_rows(kind):
+    assert [d4.get_dspark_swa_index_width(*a) for a in ((128, 5), (512, 5), (1024, 0), (8, 4),
+                                                         (-3, -1))] == [192, 576, 1024, 64, 0]
+    rows, lens = run_swa(kind, 4, [0, 3], [9], [0, 0, 0], [True, True, False],
+                         [[3, 5, 7]], 8, index_width=64, causal=False)
+    assert lens.tolist() == [7, 7, 0]
+    assert rows[0, :8].tolist() == [26, 27, 28, 29, 30, 31, 40, -1] and (rows[2] == -1).all()
+    assert (rows[0] == rows[1]).all()
+    # a replay start does not bound the non-causal rows (vLLM's DSpark kernel takes none)
+    again = run_swa(kind, 4, [0, 3], [9], [0, 0, 0], [True, True, False], [[3, 5, 7]], 8,
+                    index_width=64, causal=False, replay_start=[8], reference=False)
+    np.testing.assert_array_equal(again[0], rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extended_windows_random_against_the_reference(kind):
+    rng = np.random.default_rng(31)
+    for trial in range(12):
+        queries = rng.integers(0, 30, int(rng.integers(1, 5)))
+        seq = (queries + rng.integers(0, 300, queries.size)).tolist()
+        qsl = np.concatenate([[0], np.cumsum(queries)]).tolist()
+        t2r = np.repeat(np.arange(queries.size), queries).tolist() + [0, 0]
+        valid = (rng.random(len(t2r)) < 0.9).tolist()
+        window, block = int(rng.choice([4, 8, 128])), int(rng.choice([8, 64]))
+        table = rng.integers(-1, 1000, (queries.size, int(rng.integers(1, 8))), dtype=I32)
+        extensions = {"index_width": window + int(rng.integers(0, 20))}
+        if trial % 3 == 0:
+            extensions["left_visible"] = rng.integers(0, 20, len(t2r)).tolist()
+            extensions["right_visible"] = rng.integers(0, 5, len(t2r)).tolist()
+        if trial % 2 == 0:
+            extensions["replay_start"] = rng.integers(0, 200, queries.size).tolist()
+        if trial % 4 == 1:
+            extensions["causal"] = False
+        offset = int(rng.integers(0, 3))
+        run_swa(kind, window, qsl, seq, t2r, valid, table, block, offset, **extensions)
+
+
+def test_extended_window_refusals_write_nothing():
+    args = (8, np.array([0, 2], I32), np.array([5], I32), np.zeros(2, I32),
+            np.ones(2, bool), np.zeros((1, 1), I32), 64)
+    out = (np.full((2, 1, 16), POISON, I32), np.full(2, POISON, I32))
+    for kwargs, error, match in [
+        ({"index_width": 4}, ValueError, "index_width: expected an int >= 8"),
+        ({"left_visible": np.zeros(2, I32)}, ValueError, "right_visible: expected an int32"),
+        ({"left_visible": np.zeros(1, I32), "right_visible": np.zeros(2, I32)}, ValueError,
+         "left_visible: expected at least 2 elements"),
+        ({"replay_start": np.zeros(1, np.int64)}, TypeError, "replay_start: expected dtype int32"),
+        ({"causal": 0}, TypeError, "causal: expected a bool"),
+        ({"index_width": 20}, ValueError, r"out\[0\]: expected at least 20 columns"),
+    ]:
+        with pytest.raises(error, match=match):
+            d4.compute_swa_indices_and_lens(*args, out=out, **kwargs)
+    assert all((o == POISON).all() for o in out)
