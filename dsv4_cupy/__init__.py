@@ -26,8 +26,8 @@ from .kv_cache import KVCacheLayout, empty_kv_cache, kv_cache_layout, kv_cache_v
 from .launch import set_programmatic_launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .prefill_gather import compute_prefill_gather_lens
-from .prefill_plan import (get_prefill_chunk_plan, indexer_prefill_workspace_rows,
-                           split_indexer_prefill_chunks)
+from .prefill_plan import (get_prefill_chunk_plan, indexer_prefill_chunk_tokens,
+                           indexer_prefill_workspace_rows, split_indexer_prefill_chunks)
 from .short_context import fill_short_context_topk_indices
 from .slot_mapping import get_compressed_slot_mapping
 from .spec import (C128A_TOPK_ALIGNMENT, FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE, KV_BLOCK_SIZE,
@@ -59,5 +59,6 @@ __all__ = [
     "dequantize_and_gather_prefill_kv", "indexer_k_quant_and_cache",
     "cp_gather_indexer_k_quant_cache", "KVCacheLayout", "kv_cache_layout", "kv_cache_view",
     "empty_kv_cache", "split_indexer_prefill_chunks", "indexer_prefill_workspace_rows",
+    "indexer_prefill_chunk_tokens",
     "__version__",
 ]

@@ -42,6 +42,9 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         and the C128A decode rows are this rank's (see
         ``build_c128a_topk_metadata``); tokens past ``query_start_loc_cpu[num_reqs]``
         are padding.
+    padding_rows : "minus_one" or "slots"
+        A padding decode token's C128A row: all -1 (the default), or vLLM
+        0.34's slot ids at length 0, for byte-exact A/B runs against vLLM.
     like : "numpy", "cupy", "torch" or an array
         Kind of the persistent buffers; the step's arrays must be of that kind
         ("torch" is CUDA when available, else CPU; an array gives its own kind

@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import checks, validation
-from .cpu import ParallelKernel, div_trunc
+from .cpu import ParallelKernel, dcp_local_rows, div_trunc
 from .dcp import check_cp
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS, KernelFamily
 from .geometry import row_chunks
@@ -13,7 +13,7 @@ from .kinds import INT32, Operand, probe_all
 from .launch import Launch, table_of
 from .params import BLOCK_TABLE, I64, PTR, SLOT_GEOMETRY, Group, Params, SlotGeometry
 from .prepared import Checked, PreparedOp
-from .scalars import check_int
+from .scalars import check_choice, check_int
 from .slot_mapping import slot_geometry
 from .spec import MAX_BLOCK_SIZE
 
@@ -21,7 +21,8 @@ from .spec import MAX_BLOCK_SIZE
 DEFAULT_MAX_COMPRESSED_TOKENS = 8192
 C128A_ROWS = Group("C128ARows", [
     ("global_decode", PTR), ("decode_lens", PTR), ("prefill", PTR), ("decode_stride", I64),
-    ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64)], module=__name__)
+    ("prefill_stride", I64), ("width", I64), ("num_valid_tokens", I64),
+    ("padding_slots", I64)], module=__name__)
 ROW_CHUNKS = Group("RowChunks", [("cols_per_block", I64), ("chunks", I64), ("row_blocks", I64)],
                    module=__name__)
 C128ARows, RowChunks = C128A_ROWS.record, ROW_CHUNKS.record
@@ -34,11 +35,7 @@ PARAMS = Params("C128AParams", [
 @njit(cache=True, inline="always")
 def owned_rows(n, geometry):
     """Rows among 0..n-1 owned by ``geometry.cp_rank`` (the kernels' owned_rows)."""
-    world, interleave = geometry.cp_world_size, geometry.cp_interleave
-    if world == 1:
-        return n
-    per_rank = n // interleave // world * interleave
-    return per_rank + min(max(n - per_rank * world - geometry.cp_rank * interleave, 0), interleave)
+    return dcp_local_rows(n, geometry.cp_world_size, geometry.cp_rank, geometry.cp_interleave)
 
 
 @ParallelKernel
@@ -47,9 +44,9 @@ def cpu_c128a_topk_metadata(positions, token_to_req, slot_mapping, table, geomet
     """Rows of ``rows.width`` columns: decode rows get global (rank-local under
     DCP) slot ids and a length, prefill rows get local indices; -1 past the
     count. A decode token that is not valid (slot < 0, or t >=
-    num_valid_tokens when that is >= 0) or whose request is outside the table
-    gets -1 and length 0; rows past the table row's blocks are -1 and not
-    counted."""
+    num_valid_tokens when that is >= 0) gets length 0 and -1 (its slot ids with
+    rows.padding_slots), one whose request is outside the table -1 and length 0;
+    rows past the table row's blocks are -1 and not counted."""
     block_size, ratio, width = geometry.block_size, geometry.ratio, rows.width
     entries, table_rows, table_cols, table_stride = table
     global_decode, decode_lens, prefill = rows.global_decode, rows.decode_lens, rows.prefill
@@ -60,15 +57,18 @@ def cpu_c128a_topk_metadata(positions, token_to_req, slot_mapping, table, geomet
         if t < num_decode_tokens:
             req = np.int64(token_to_req[t])
             valid = slot_mapping[t] >= 0 if num_valid_tokens < 0 else t < num_valid_tokens
-            count = 0
-            if valid and 0 <= req < table_rows:
-                count = min(owned_rows(n, geometry), table_cols * block_size)
+            written = 0
+            if 0 <= req < table_rows:
+                written = min(owned_rows(n, geometry), table_cols * block_size)
+            count = written if valid else 0
+            if not rows.padding_slots:
+                written = count
             row = t * decode_stride
-            for e in range(count):
+            for e in range(written):
                 # int32 product as in vLLM (wraps the same way).
                 global_decode[row + e] = np.int32(
                     entries[req * table_stride + e // block_size] * block_size + e % block_size)
-            global_decode[row + count:row + width] = -1
+            global_decode[row + written:row + width] = -1
             decode_lens[t] = count
         else:
             row = (t - num_decode_tokens) * prefill_stride
@@ -90,7 +90,8 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                               prefill_buffer=None, max_compressed_tokens: int | None = None, *,
                               dcp_world_size: int = 1, dcp_rank: int = 0,
                               cp_kv_cache_interleave_size: int = 1,
-                              num_valid_tokens: int | None = None, validate: str = "default",
+                              num_valid_tokens: int | None = None,
+                              padding_rows: str = "minus_one", validate: str = "default",
                               num_cache_blocks: int | None = None):
     """C128A metadata for all tokens of a step (decodes first, then prefills).
 
@@ -129,6 +130,10 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
         With more than one rank, where ``slot_mapping < 0`` no longer marks
         padding: decode tokens ``t >= num_valid_tokens`` are padding (default:
         none). Ignored on a single rank.
+    padding_rows : "minus_one" or "slots"
+        A padding decode token's row: all -1 (the default: a persistent
+        buffer then holds no stale slot), or, as vLLM 0.34 writes it, the slot
+        ids its position would see; its length is 0 either way.
     validate : "default" or "full"
         "full" also checks (a sync on GPU) that decode tokens' request ids are
         block-table rows and that their blocks lie inside the table row and,
@@ -150,7 +155,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     key, results = _OP.replay(validate, buffers, positions, compress_ratio, num_decode_tokens,
                               token_to_req_indices, block_table, block_size, slot_mapping,
                               max_compressed_tokens, dcp_world_size, dcp_rank,
-                              cp_kv_cache_interleave_size, num_valid_tokens)
+                              cp_kv_cache_interleave_size, num_valid_tokens, padding_rows)
     if results is not None:
         return results
     kind, device, ops = probe_all({
@@ -169,6 +174,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                                   maximum=num_tokens)
     cp = check_cp(dcp_world_size, dcp_rank, cp_kv_cache_interleave_size, block_size=block_size,
                   names=("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size"))
+    padding_slots = check_choice("padding_rows", padding_rows, PADDING_ROWS) == "slots"
     valid_tokens = VALIDITY_FROM_SLOTS
     if cp.world_size > 1:
         valid_tokens = num_decode_tokens if num_valid_tokens is None else check_int(
@@ -210,12 +216,16 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     rows = C128ARows(global_decode=global_decode, decode_lens=lens, prefill=prefill,
                      decode_stride=checks.row_stride(global_decode),
                      prefill_stride=checks.row_stride(prefill), width=width,
-                     num_valid_tokens=valid_tokens)
+                     num_valid_tokens=valid_tokens, padding_slots=int(padding_slots))
     launch = c128a_launch(pos, token_to_req, slots, table,
                           slot_geometry(block_size, compress_ratio, cp), rows, num_tokens,
                           num_decode_tokens, device)
     return _OP.run(key, Checked(kind, device, results, (launch,), results))
 
+
+#: A padding decode token's C128A row: all -1 (the default: a persistent buffer
+#: holds no stale slots), or vLLM 0.34's slot ids at length 0 (for byte-exact A/B runs).
+PADDING_ROWS = ("minus_one", "slots")
 
 #: ``C128ARows.num_valid_tokens`` that takes a decode token's validity from its
 #: slot (``slot_mapping >= 0``); under DCP it is the count of real tokens.
@@ -243,7 +253,7 @@ def warm_launches(tiny):
     """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
     rows = C128ARows(global_decode=tiny.rows, decode_lens=tiny.out32, prefill=tiny.rows,
                      decode_stride=4, prefill_stride=4, width=4,
-                     num_valid_tokens=VALIDITY_FROM_SLOTS)
+                     num_valid_tokens=VALIDITY_FROM_SLOTS, padding_slots=0)
     for positions in (tiny.out32, tiny.out64):
         for slots in (tiny.out32, tiny.out64):
             yield (f"c128a_topk_metadata[p{positions.dtype.itemsize * 8}"

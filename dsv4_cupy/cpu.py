@@ -101,6 +101,16 @@ def request_of(qsl, num_reqs, t):
 
 
 @njit(cache=True, inline="always")
-def gather_len(query_len, seq_len, window_size):
-    """Raw tokens a prefill request gathers: q + min(max(L - q, 0), W - 1)."""
-    return query_len + min(max(seq_len - query_len, 0), window_size - 1)
+def dcp_local_rows(n, world, rank, interleave):
+    """Rows among 0..n-1 that rank ``rank`` of ``world`` holds, ``interleave`` at a
+    time round robin (the kernels' dcp_local_rows, vLLM's get_dcp_local_seq_lens)."""
+    if world == 1:
+        return n
+    per_rank = n // interleave // world * interleave
+    return per_rank + min(max(n - per_rank * world - rank * interleave, 0), interleave)
+
+
+@njit(cache=True, inline="always")
+def gather_len(query_len, seq_len, window_size, replay_start=0):
+    """Raw tokens a prefill request gathers: q + min(max(L - q - replay, 0), W - 1)."""
+    return query_len + min(max(seq_len - query_len - replay_start, 0), window_size - 1)

@@ -25,6 +25,10 @@ class ContextParallel(NamedTuple):
     interleave: int
 
 
+#: No context parallelism.
+SINGLE_RANK = ContextParallel(world_size=1, rank=0, interleave=1)
+
+
 def check_cp(world_size, rank, interleave, *, block_size: int | None = None,
              names=("cp_world_size", "cp_rank", "cp_kv_cache_interleave_size")) -> ContextParallel:
     """Checked context-parallel arguments. With ``block_size`` (the storage block)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import checks, host, keys, validation
-from .c128a import VALIDITY_FROM_SLOTS, C128ARows, c128a_launch
+from .c128a import PADDING_ROWS, VALIDITY_FROM_SLOTS, C128ARows, c128a_launch
 from .dcp import check_cp
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .kinds import (GPU_KINDS, HOST_KINDS, INT32, INT64, Operand, describe, device_of,
@@ -75,7 +75,7 @@ class KVCacheGroup:
                  width_policy: str = "active", dcp_world_size: int = 1, dcp_rank: int = 0,
                  cp_kv_cache_interleave_size: int = 1, like="numpy", device: int | None = None,
                  validate: str = "default", num_cache_blocks: int | None = None,
-                 decode_threshold: int | None = None):
+                 decode_threshold: int | None = None, padding_rows: str = "minus_one"):
         self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                         maximum=MAX_BLOCK_SIZE)
         self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
@@ -89,6 +89,7 @@ class KVCacheGroup:
             "decode_threshold", decode_threshold, minimum=1)
         self.treat_short_extends_as_decodes = bool(treat_short_extends_as_decodes)
         self.width_policy = check_choice("width_policy", width_policy, WIDTH_POLICIES)
+        self.padding_slots = check_choice("padding_rows", padding_rows, PADDING_ROWS) == "slots"
         self.full_validation = validation.check_mode(validate, num_cache_blocks)
         self.num_cache_blocks = num_cache_blocks
         self.storage_block_size = self.block_size // self.compress_ratio
@@ -292,7 +293,8 @@ class KVCacheGroup:
         rows = C128ARows(global_decode=buffers["c128a_global_decode_buffer"],
                          decode_lens=buffers["c128a_decode_lens_buffer"],
                          prefill=buffers["c128a_prefill_buffer"], decode_stride=self.capacity,
-                         prefill_stride=self.capacity, width=width, num_valid_tokens=valid_tokens)
+                         prefill_stride=self.capacity, width=width, num_valid_tokens=valid_tokens,
+                         padding_slots=int(self.padding_slots))
         return {"c128a": c128a_launch(ops["positions"], buffers["req_id_per_token_buffer"],
                                       ops["slot_mapping"], ops["block_table_tensor"],
                                       self._geometry, rows, c128a_tokens,

@@ -6,10 +6,11 @@ import numpy as np
 from numba import njit
 
 from . import checks, geometry, host, validation
-from .cpu import div_trunc
-from .family import KernelFamily
-from .kinds import GPU_KINDS, INT32, Operand, probe_all
-from .launch import Launch
+from .cpu import dcp_local_rows, div_trunc
+from .dcp import SINGLE_RANK, ContextParallel, check_cp
+from .family import POSITIONS_AXIS, KernelFamily
+from .kinds import GPU_KINDS, INT32, INT64, Operand, probe_all
+from .launch import Launch, NoArray
 from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -17,20 +18,29 @@ from .spec import MAX_BLOCK_SIZE
 
 PARAMS = Params("IndexerPrefillParams", [
     ("query", QUERY_LAYOUT), ("cu_compressed", PTR), ("token_to_seq", PTR), ("seqlen_ks", PTR),
-    ("seqlen_ke", PTR), ("num_compressed", I64), ("ratio", I64), ("query_slice_start", I64),
-    ("query_slice_stop", I64)])
+    ("seqlen_ke", PTR), ("local_cu", PTR), ("positions", PTR), ("positions_int64", I64),
+    ("num_compressed", I64), ("ratio", I64), ("query_slice_start", I64),
+    ("query_slice_stop", I64), ("dcp_world_size", I64), ("dcp_rank", I64),
+    ("cp_interleave", I64)])
 
 
 @njit(cache=True)
 def cpu_indexer_prefill_chunk_metadata(query, cu_compressed, token_to_seq, seqlen_ks, seqlen_ke,
-                                   num_compressed, ratio, query_slice_start, query_slice_stop):
+                                       local_cu, positions, positions_int64, num_compressed,
+                                       ratio, query_slice_start, query_slice_stop,
+                                       dcp_world_size, dcp_rank, cp_interleave):
     """cu_compressed, token_to_seq (-1 past the total), ks/ke of the query slice
-    (ks = ke = total past the chunk's last token); see kernels/indexer_prefill.cuh."""
+    (ks = ke = total past the chunk's last token; rank-local under DCP, with
+    local_cu); see kernels/indexer_prefill.cuh."""
     qsl, num_reqs = query.query_start_loc, query.num_reqs
     first = np.int64(qsl[0])
     first_row = np.int64(0)
+    first_key = np.int64(0)
+    sharded = dcp_world_size > 1
     for b in range(num_reqs):
         cu_compressed[b] = first_row
+        if sharded:
+            local_cu[b] = first_key
         seq_len = np.int64(query.seq_lens[b])
         rows = max(seq_len // ratio, 0)    # floor and truncation agree for L >= 0
         for x in range(first_row, min(first_row + rows, num_compressed)):
@@ -39,14 +49,23 @@ def cpu_indexer_prefill_chunk_metadata(query, cu_compressed, token_to_seq, seqle
         qe = np.int64(qsl[b + 1]) - first
         prefix = seq_len - (qe - qs)
         for a in range(max(qs, query_slice_start), min(qe, query_slice_stop)):
-            seqlen_ks[a - query_slice_start] = first_row
-            seqlen_ke[a - query_slice_start] = first_row + div_trunc(prefix + 1 + a - qs, ratio)
+            context = prefix + 1 + a - qs
+            if positions.shape[0] > 0:
+                context = np.int64(positions[a]) + 1
+            keys = div_trunc(context, ratio)
+            if sharded:
+                keys = dcp_local_rows(keys, dcp_world_size, dcp_rank, cp_interleave)
+            seqlen_ks[a - query_slice_start] = first_key
+            seqlen_ke[a - query_slice_start] = first_key + keys
         first_row += rows
+        first_key += dcp_local_rows(rows, dcp_world_size, dcp_rank, cp_interleave)
     cu_compressed[num_reqs] = first_row
+    if sharded:
+        local_cu[num_reqs] = first_key
     token_to_seq[min(first_row, num_compressed):num_compressed] = -1
     for a in range(max(np.int64(qsl[num_reqs]) - first, query_slice_start), query_slice_stop):
-        seqlen_ks[a - query_slice_start] = first_row
-        seqlen_ke[a - query_slice_start] = first_row
+        seqlen_ks[a - query_slice_start] = first_key
+        seqlen_ke[a - query_slice_start] = first_key
 
 
 FAMILY = KernelFamily("indexer_prefill.cuh", "indexer_prefill_chunk_metadata", PARAMS)
@@ -58,13 +77,17 @@ _OP = PreparedOp("build_indexer_prefill_chunk_metadata")
 
 def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_ratio: int,
                                          query_slice_start: int, query_slice_stop: int, *,
-                                         num_compressed: int | None = None, out=None,
+                                         num_compressed: int | None = None, positions=None,
+                                         dcp_rank: int = 0, dcp_world_size: int = 1,
+                                         cp_kv_cache_interleave_size: int = 1, out=None,
                                          validate: str = "default"):
     """Compressed-key ranges of one prefill chunk for the indexer's logits kernel.
 
-    vLLM's ``BuildPrefillChunkMetadataKernel`` (no DCP), with
-    the cumulative compressed lengths computed in the same launch (no separate
-    cumsum, no sync).
+    vLLM 0.34's ``BuildPrefillChunkMetadataKernel`` with the arguments of its
+    ``build_prefill_chunk_metadata`` (query slice, ShardQ positions, DCP), the
+    cumulative compressed lengths computed in the same launch (no separate
+    cumsum, no sync). ``indexer_prefill_chunk_tokens`` gives the chunk's
+    host fields (token range, ``skip_kv_gather``).
 
     Parameters
     ----------
@@ -82,9 +105,18 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
         computed from the data on the CPU path when left out. Entries past the
         true total are -1; true entries past it are dropped (``validate="full"``
         refuses a mismatch).
-    out : ``(cu_compressed, token_to_seq, cu_seqlen_ks, cu_seqlen_ke)``, optional
+    positions : int32 or int64 array ``[>= stop]``, optional
+        The chunk's token positions (rebased like the slice; vLLM's ShardQ):
+        a token's context is ``positions[a] + 1`` instead of its place in
+        the request.
+    dcp_rank, dcp_world_size, cp_kv_cache_interleave_size : int
+        Decode context parallelism over the compressed rows (the interleave in
+        compressed rows): ``ks``/``ke`` count this rank's rows (vLLM's
+        ``get_dcp_local_seq_lens`` of the key count), from ``local_cu``.
+    out : ``(cu_compressed, token_to_seq, cu_seqlen_ks, cu_seqlen_ke[, local_cu])``, optional
         int32 ``[>= R + 1]``, ``[>= num_compressed]``, ``[>= Q]``, ``[>= Q]``
-        with ``Q = stop - start``; only the result regions are written.
+        (and ``[>= R + 1]``, read under DCP only) with ``Q = stop - start``;
+        only the result regions are written.
     validate : "default" or "full"
         "full" also checks (a sync on GPU) the chunk's query layout, the slice
         inside its tokens and ``num_compressed``.
@@ -92,7 +124,9 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
     Returns
     -------
     ``(cu_compressed [R + 1], token_to_seq [num_compressed], cu_seqlen_ks [Q],
-    cu_seqlen_ke [Q])``, int32. ``cu_compressed = [0] + cumsum(max(L // r, 0))``;
+    cu_seqlen_ke [Q], local_cu_seq_lens [R + 1])``, int32; ``local_cu_seq_lens``
+    is ``cu_compressed`` itself on one rank (as in vLLM), else ``[0] +
+    cumsum`` of this rank's rows. ``cu_compressed = [0] + cumsum(max(L // r, 0))``;
     ``token_to_seq[cu[b] + x] = b`` for ``x < L[b] // r``; query token ``j`` of
     request ``b`` at rebased offset ``a = qsl[b] - qsl[0] + j`` in the slice
     gets ``ks[a - start] = cu[b]`` and ``ke[a - start] = cu[b] + (L[b] - q[b]
@@ -102,19 +136,26 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
     grows with ``R**2``: meant for a chunk's requests (hundreds), not more.
     """
     key, results = _OP.replay(validate, out, query_start_loc, seq_lens, compress_ratio,
-                              query_slice_start, query_slice_stop, num_compressed)
+                              query_slice_start, query_slice_stop, num_compressed, positions,
+                              dcp_rank, dcp_world_size, cp_kv_cache_interleave_size)
     if results is not None:
         return results
-    cu_out, token_to_seq_out, ks_out, ke_out = checks.out_buffers(
-        out, ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"))
+    names = ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke", "local_cu")
+    cu_out, token_to_seq_out, ks_out, ke_out, local_out = checks.out_buffers(
+        out if out is None or len(out) != 4 else (*out, None), names)
     kind, device, ops = probe_all({
-        "query_start_loc": query_start_loc, "seq_lens": seq_lens, "out[0]": cu_out,
-        "out[1]": token_to_seq_out, "out[2]": ks_out, "out[3]": ke_out})
-    qsl, seq = ops["query_start_loc"], ops["seq_lens"]
+        "query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions,
+        "out[0]": cu_out, "out[1]": token_to_seq_out, "out[2]": ks_out, "out[3]": ke_out,
+        "out[4]": local_out})
+    qsl, seq, positions_op = ops["query_start_loc"], ops["seq_lens"], ops["positions"]
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
                                maximum=MAX_BLOCK_SIZE)
     query_slice_start = check_int("query_slice_start", query_slice_start, minimum=0)
     query_slice_stop = check_int("query_slice_stop", query_slice_stop, minimum=query_slice_start)
+    cp = check_cp(dcp_world_size, dcp_rank, cp_kv_cache_interleave_size,
+                  names=("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size"))
+    if positions_op is not None:
+        checks.check(positions_op, POSITIONS_AXIS.values, 1, min_len=query_slice_stop)
     checks.check(qsl, (INT32,), 1, min_len=1)
     num_reqs = qsl.shape[0] - 1
     checks.check(seq, (INT32,), 1, min_len=num_reqs)
@@ -131,32 +172,52 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
     token_to_seq = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_compressed)
     ks = checks.output("out[2]", ops["out[2]"], kind, device, INT32, num_queries)
     ke = checks.output("out[3]", ops["out[3]"], kind, device, INT32, num_queries)
-    checks.check_no_alias([cu, token_to_seq, ks, ke], [qsl, seq])
+    local_cu = (checks.output("out[4]", ops["out[4]"], kind, device, INT32, num_reqs + 1)
+                if cp.world_size > 1 else None)
+    checks.check_no_alias([op for op in (cu, token_to_seq, ks, ke, local_cu) if op is not None],
+                          [op for op in (qsl, seq, positions_op) if op is not None])
     if validation.check_mode(validate):
         validation.indexer_prefill_inputs(query_start_loc, seq_lens, kind, compress_ratio,
                                           query_slice_stop, num_compressed)
-    results = (cu.array[:num_reqs + 1], token_to_seq.array[:num_compressed],
-               ks.array[:num_queries], ke.array[:num_queries])
+    cu_result = cu.array[:num_reqs + 1]
+    results = (cu_result, token_to_seq.array[:num_compressed], ks.array[:num_queries],
+               ke.array[:num_queries],
+               cu_result if local_cu is None else local_cu.array[:num_reqs + 1])
     launch = indexer_prefill_launch(QueryLayout(qsl, seq, num_reqs), cu, token_to_seq, ks, ke,
                                     num_compressed, compress_ratio, query_slice_start,
-                                    query_slice_stop)
+                                    query_slice_stop, positions=positions_op, cp=cp,
+                                    local_cu=local_cu)
     return _OP.run(key, Checked(kind, device, results, (launch,), results))
 
 
 def indexer_prefill_launch(query: QueryLayout, cu_compressed: Operand, token_to_seq: Operand,
                            seqlen_ks: Operand, seqlen_ke: Operand, num_compressed: int,
                            compress_ratio: int, query_slice_start: int,
-                           query_slice_stop: int) -> Launch:
-    """The chunk's ranges: a block per request, and one for the tail."""
+                           query_slice_stop: int, *, positions: Operand | None = None,
+                           cp: ContextParallel = SINGLE_RANK,
+                           local_cu: Operand | None = None) -> Launch:
+    """The chunk's ranges: a block per request, and one for the tail; with
+    ``positions`` the tokens' contexts from them, under ``cp`` rank-local
+    ranges from ``local_cu``."""
     return Launch(FAMILY, geometry.grid_stride_row_blocks(query.num_reqs + 1),
                   dict(query=query, cu_compressed=cu_compressed, token_to_seq=token_to_seq,
-                       seqlen_ks=seqlen_ks, seqlen_ke=seqlen_ke, num_compressed=num_compressed,
-                       ratio=compress_ratio, query_slice_start=query_slice_start,
-                       query_slice_stop=query_slice_stop),
+                       seqlen_ks=seqlen_ks, seqlen_ke=seqlen_ke,
+                       local_cu=_NO_ARRAY if local_cu is None else local_cu,
+                       positions=_NO_ARRAY if positions is None else positions,
+                       positions_int64=int(positions is not None and positions.dtype == INT64),
+                       num_compressed=num_compressed, ratio=compress_ratio,
+                       query_slice_start=query_slice_start, query_slice_stop=query_slice_stop,
+                       dcp_world_size=cp.world_size, dcp_rank=cp.rank,
+                       cp_interleave=cp.interleave),
                   kernel=cpu_indexer_prefill_chunk_metadata)
+
+
+_NO_ARRAY = NoArray(INT32)
 
 
 def warm_launches(tiny):
     """(name, launch) of every signature of the CPU kernel (``warmup(cpu=True)``)."""
-    yield "indexer_prefill_chunk_metadata", indexer_prefill_launch(
-        tiny.query, tiny.pair, tiny.out32, tiny.out32, tiny.out32, 1, 4, 0, 1)
+    for positions in (None, tiny.out64):           # an absent array is an empty int32 one
+        yield (f"indexer_prefill_chunk_metadata[{'none' if positions is None else 'p64'}]",
+               indexer_prefill_launch(tiny.query, tiny.pair, tiny.out32, tiny.out32,
+                                      tiny.out32, 1, 4, 0, 1, positions=positions))

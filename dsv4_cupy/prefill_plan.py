@@ -198,3 +198,28 @@ def split_indexer_prefill_chunks(compressed_seq_lens_cpu, prefill_query_lens_cpu
         chunks += [(requests, slice(first, min(first + per_call, rows)))
                    for first in range(0, rows, per_call)]
     return chunks
+
+
+def indexer_prefill_chunk_tokens(query_start_loc_cpu, start_idx: int, end_idx: int,
+                                 query_slice: slice | None = None,
+                                 skip_kv_gather: bool = False) -> tuple[int, int, bool]:
+    """The host fields of an indexer prefill chunk (vLLM 0.34's
+    ``build_prefill_chunk_metadata``): ``(token_start, token_end,
+    skip_kv_gather)`` of requests ``[start_idx, end_idx)`` and, with
+    ``query_slice`` (rebased to the chunk's first token, clamped to its
+    tokens), of that slice of them; a slice starting past the chunk's first
+    token skips the KV gather (an earlier slice gathered it)."""
+    qsl = _host_lengths("query_start_loc_cpu", query_start_loc_cpu)
+    start_idx = check_int("start_idx", start_idx, minimum=0, maximum=len(qsl) - 1)
+    end_idx = check_int("end_idx", end_idx, minimum=start_idx, maximum=len(qsl) - 1)
+    first, last = qsl[start_idx], qsl[end_idx]
+    if query_slice is None:
+        return first, last, bool(skip_kv_gather)
+    if not isinstance(query_slice, slice) or query_slice.step not in (None, 1):
+        raise TypeError(f"query_slice: expected a slice of step 1, got {query_slice!r}")
+    tokens = last - first
+    slice_start = min(check_int("query_slice.start", query_slice.start or 0, minimum=0), tokens)
+    slice_stop = min(check_int("query_slice.stop", tokens if query_slice.stop is None
+                               else query_slice.stop, minimum=0), tokens)
+    return first + slice_start, first + max(slice_stop, slice_start), \
+        bool(skip_kv_gather) or slice_start > 0

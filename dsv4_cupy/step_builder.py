@@ -59,7 +59,7 @@ class DeepseekV4StepMetadataBuilder:
         ``W`` (128).
     index_topk : int
         The indexer's top-k (512 Flash, 1024 Pro): width of the short-context rows.
-    num_speculative_tokens, decode_threshold, treat_short_extends_as_decodes, width_policy
+    num_speculative_tokens, decode_threshold, treat_short_extends_as_decodes, width_policy, padding_rows
         As for ``DeepseekV4MetadataBuilder`` (the C128A group).
     combined_prefill : bool
         Build the combined prefill rows of the C128A and SWA-only layers once
@@ -103,13 +103,15 @@ class DeepseekV4StepMetadataBuilder:
                  prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
                  max_num_compressed: int | None = None, like="numpy", device: int | None = None,
                  validate: str = "default", num_cache_blocks: int | None = None,
-                 decode_threshold: int | None = None, indexer_decode_layout: str = "flat"):
+                 decode_threshold: int | None = None, indexer_decode_layout: str = "flat",
+                 padding_rows: str = "minus_one"):
         group = self.c128a_group = KVCacheGroup(
             C128A_RATIO, max_model_len, max_num_batched_tokens, block_size=block_size,
             index_topk=index_topk, num_speculative_tokens=num_speculative_tokens,
             treat_short_extends_as_decodes=treat_short_extends_as_decodes,
             width_policy=width_policy, like=like, device=device, validate=validate,
-            num_cache_blocks=num_cache_blocks, decode_threshold=decode_threshold)
+            num_cache_blocks=num_cache_blocks, decode_threshold=decode_threshold,
+            padding_rows=padding_rows)
         self.kind, self.device = group.kind, group.device
         self.max_model_len = group.max_model_len
         self.max_num_batched_tokens = group.max_num_batched_tokens

@@ -13,6 +13,8 @@ struct C128ARows {               // C128A top-k rows, row stride fixed by the bu
     i64 prefill_stride;
     i64 width;                   // columns written per row (<= both strides)
     i64 num_valid_tokens;        // under DCP: tokens t < this are real (-1: use slot_mapping)
+    i64 padding_slots;           // 1: a padding decode row holds its slot ids (length 0), as
+                                 // vLLM 0.34 writes it; 0: all -1
 };
 
 struct RowChunks {               // long rows split over several blocks
@@ -66,16 +68,12 @@ struct RowPiece {
     }
 };
 
-// Rows among 0..n-1 that context-parallel rank g.cp_rank owns: rows go to the
-// ranks cp_interleave at a time, round robin (vLLM's get_dcp_local_seq_lens).
-// Because the block size is a multiple of the interleave (checked on the host),
-// the k-th owned row has local slot block_row[k / bs] * bs + k % bs: a rank's
-// decode row is the single-rank formula over its own count.
+// Rows among 0..n-1 that context-parallel rank g.cp_rank owns. Because the
+// block size is a multiple of the interleave (checked on the host), the k-th
+// owned row has local slot block_row[k / bs] * bs + k % bs: a rank's decode row
+// is the single-rank formula over its own count.
 __device__ __forceinline__ i64 owned_rows(i64 n, const SlotGeometry& g) {
-    if (g.cp_world_size == 1) return n;
-    const i64 per_rank = n / g.cp_interleave / g.cp_world_size * g.cp_interleave;
-    return per_rank + clamp_i64(n - per_rank * g.cp_world_size - g.cp_rank * g.cp_interleave, 0,
-                            g.cp_interleave);
+    return dcp_local_rows(n, g.cp_world_size, g.cp_rank, g.cp_interleave);
 }
 
 // One block's piece of the C128A metadata. Decode tokens (t < num_decode_tokens)
@@ -83,7 +81,8 @@ __device__ __forceinline__ i64 owned_rows(i64 n, const SlotGeometry& g) {
 // correctly: a decode token that is not valid (padding: slot < 0, or under
 // DCP t >= num_valid_tokens) or whose request is outside the table gets an
 // all -1 row and length 0, and rows past the table row's blocks are -1 and
-// not counted; nothing is read for them.
+// not counted; nothing is read for them. With rows.padding_slots a padding
+// token in the table keeps vLLM 0.34's row (its slot ids) at length 0.
 template <typename PosT, typename SlotT>
 __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT position,
                                             const SlotT* __restrict__ slot_mapping,
@@ -95,11 +94,12 @@ __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT
         const bool valid = rows.num_valid_tokens < 0 ? slot_mapping[t] >= 0
                                                      : t < rows.num_valid_tokens;
         const bool in_table = req >= 0 && (i64)req < table.rows;
-        const int count = valid && in_table
-            ? (int)min(owned_rows(n, g), table.cols * g.block_size) : 0;
+        const int entries = in_table ? (int)min(owned_rows(n, g), table.cols * g.block_size) : 0;
+        const int count = valid ? entries : 0;
+        const int written = rows.padding_slots ? entries : count;
         const int* block_row = in_table ? table.entries + (i64)req * table.row_stride : nullptr;
-        c128a_fill_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1, count,
-                           count ? block_row : nullptr, (int)g.block_size);
+        c128a_fill_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1,
+                           written, written ? block_row : nullptr, (int)g.block_size);
         if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = count;
     } else {
         c128a_fill_columns(rows.prefill + (t - num_decode_tokens) * rows.prefill_stride, piece.c0,

@@ -35,6 +35,15 @@ __device__ __forceinline__ i64 clamp_i64(i64 v, i64 lo, i64 hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
 
+// Rows among 0..n-1 that context-parallel rank `rank` of `world` holds: rows
+// go to the ranks `interleave` at a time, round robin (vLLM's
+// get_dcp_local_seq_lens).
+__device__ __forceinline__ i64 dcp_local_rows(i64 n, i64 world, i64 rank, i64 interleave) {
+    if (world == 1) return n;
+    const i64 per_rank = n / interleave / world * interleave;
+    return per_rank + clamp_i64(n - per_rank * world - rank * interleave, 0, interleave);
+}
+
 // n / d for n >= 0, d > 0: a shift when d is a power of two (the ratios, block
 // sizes and most row widths), 32-bit division when both fit. A 64-bit division
 // by a run-time divisor is a long dependent instruction sequence, which on a
@@ -205,9 +214,11 @@ __device__ __forceinline__ void fill_columns(int* __restrict__ row, int c0, int 
 // --- helpers of the per-layer and indexer metadata kernels -------------------------------------
 
 // Raw tokens a prefill request gathers from the SWA cache: its queries and
-// the window before the first one, q + min(max(L - q, 0), W - 1).
-__device__ __forceinline__ i64 prefill_gather_len(i64 query_len, i64 seq_len, i64 window_size) {
-    return query_len + clamp_i64(seq_len - query_len, 0, window_size - 1);
+// the window before the first one, from its replay start on:
+// q + min(max(L - q - replay_start, 0), W - 1).
+__device__ __forceinline__ i64 prefill_gather_len(i64 query_len, i64 seq_len, i64 window_size,
+                                                  i64 replay_start = 0) {
+    return query_len + clamp_i64(seq_len - query_len - replay_start, 0, window_size - 1);
 }
 
 // Global slot of row `within` of cache block `entry`, computed in 32 bits like

@@ -3,10 +3,14 @@
 // cumsum launch; O(num_reqs) reads per block, fine for a chunk's requests) and
 // writes cu_compressed[b]. Block b < num_reqs then writes token_to_seq = b over
 // its rows and, for its query tokens inside [query_slice_start,
-// query_slice_stop), ks = cu[b] and ke = cu[b] + (prefix + 1 + j) / ratio.
-// Block num_reqs writes -1 over token_to_seq past the true total and empty
-// ranges (ks = ke = total) for slice tokens past the chunk's last token.
-// Every index is masked to its output's length.
+// query_slice_stop), ks = cu[b] and ke = cu[b] + (prefix + 1 + j) / ratio
+// (positions[a] + 1 for the context when positions are given: ShardQ). Under
+// decode context parallelism ks and ke are rank-local: the block also sums the
+// rows this rank holds of the requests before it (local_cu) and localises the
+// key count; token_to_seq keeps the global layout. Block num_reqs writes -1
+// over token_to_seq past the true total and empty ranges (ks = ke = total) for
+// slice tokens past the chunk's last token. Every index is masked to its
+// output's length.
 #pragma once
 #include "common.cuh"
 
@@ -16,10 +20,17 @@ struct IndexerPrefillParams {    // build_indexer_prefill_chunk_metadata
     int* token_to_seq;           // [num_compressed] int32, -1 past the true total
     int* seqlen_ks;              // [query_slice_stop - query_slice_start] int32
     int* seqlen_ke;              // [query_slice_stop - query_slice_start] int32
+    int* local_cu;               // [num_reqs + 1] int32, this rank's rows before each request
+                                 // (written when dcp_world_size > 1)
+    const void* positions;       // [chunk tokens] int32 or int64 (positions_int64), or null
+    i64 positions_int64;
     i64 num_compressed;
     i64 ratio;
     i64 query_slice_start;
     i64 query_slice_stop;
+    i64 dcp_world_size;
+    i64 dcp_rank;
+    i64 cp_interleave;           // compressed rows per rank at a time
 };
 
 namespace dsv4 {
@@ -30,14 +41,22 @@ __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPref
     const int* __restrict__ seq_lens = p.query.seq_lens;
     const i64 num_reqs = p.query.num_reqs, chunk_start = qsl[0];
     const i64 slice_start = p.query_slice_start, slice_stop = p.query_slice_stop;
+    const bool sharded = p.dcp_world_size > 1;
+    const auto local = [&](i64 rows) {
+        return dcp_local_rows(rows, p.dcp_world_size, p.dcp_rank, p.cp_interleave);
+    };
     for (i64 b = blocks.index; b <= num_reqs; b += blocks.count) {
-        i64 earlier = 0;
+        i64 earlier = 0, earlier_local = 0;
         for (i64 r = threadIdx.x; r < b; r += DSV4_THREADS) {
-            const i64 rows = (i64)seq_lens[r] / p.ratio;
-            earlier += rows > 0 ? rows : 0;
+            i64 rows = (i64)seq_lens[r] / p.ratio;
+            rows = rows > 0 ? rows : 0;
+            earlier += rows;
+            earlier_local += local(rows);
         }
         const i64 first_row = block_sum(earlier, scratch);
+        const i64 first_key = sharded ? block_sum(earlier_local, scratch) : first_row;
         if (threadIdx.x == 0) p.cu_compressed[b] = (int)first_row;
+        if (threadIdx.x == 0 && sharded) p.local_cu[b] = (int)first_key;
         if (b < num_reqs) {
             const i64 seq_len = seq_lens[b];
             const i64 rows = seq_len / p.ratio > 0 ? seq_len / p.ratio : 0;
@@ -49,8 +68,14 @@ __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPref
             const i64 stop = min(qe, slice_stop);
             for (i64 a = (qs > slice_start ? qs : slice_start) + threadIdx.x; a < stop;
                  a += DSV4_THREADS) {
-                p.seqlen_ks[a - slice_start] = (int)first_row;
-                p.seqlen_ke[a - slice_start] = (int)(first_row + (prefix + 1 + a - qs) / p.ratio);
+                i64 context = prefix + 1 + a - qs;
+                if (p.positions != nullptr)
+                    context = 1 + (p.positions_int64
+                                   ? static_cast<const long long*>(p.positions)[a]
+                                   : (i64) static_cast<const int*>(p.positions)[a]);
+                const i64 keys = context / p.ratio;
+                p.seqlen_ks[a - slice_start] = (int)first_key;
+                p.seqlen_ke[a - slice_start] = (int)(first_key + (sharded ? local(keys) : keys));
             }
         } else {
             for (i64 x = first_row + threadIdx.x; x < p.num_compressed; x += DSV4_THREADS)
@@ -58,8 +83,8 @@ __device__ __forceinline__ void indexer_prefill_chunk_metadata(const IndexerPref
             const i64 total = (i64)qsl[num_reqs] - chunk_start;
             for (i64 a = (total > slice_start ? total : slice_start) + threadIdx.x; a < slice_stop;
                  a += DSV4_THREADS) {
-                p.seqlen_ks[a - slice_start] = (int)first_row;
-                p.seqlen_ke[a - slice_start] = (int)first_row;
+                p.seqlen_ks[a - slice_start] = (int)first_key;
+                p.seqlen_ke[a - slice_start] = (int)first_key;
             }
         }
     }

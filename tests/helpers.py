@@ -319,38 +319,50 @@ def run_combine(kind, topk_indices, qsl, seq_lens, gather_lens, window, ratio, t
 
 
 # --- gather lengths ---------------------------------------------------------------------
-def run_gather_lens(kind, qsl, seq_lens, num_decodes, num_prefills, window=128, reference=True):
+def run_gather_lens(kind, qsl, seq_lens, num_decodes, num_prefills, window=128, reference=True,
+                    replay_start=None):
     args = (to_kind(np.array(qsl, I32), kind), to_kind(np.array(seq_lens, I32), kind),
             num_decodes, num_prefills, window)
+    replay = None if replay_start is None else to_kind(np.array(replay_start, I32), kind)
     out = to_kind(poisoned(num_prefills + EXTRA_ROWS), kind)
-    got = d4.compute_prefill_gather_lens(*args, out=out)
+    got = d4.compute_prefill_gather_lens(*args, replay_start=replay, out=out)
     assert_poison_past(out, num_prefills)
-    same([d4.compute_prefill_gather_lens(*args)], [got])
+    same([d4.compute_prefill_gather_lens(*args, replay_start=replay)], [got])
     got = to_numpy(got)
     if reference:
         want = upstream.prefill_gather_lens(list(qsl), list(seq_lens), num_decodes, num_prefills,
-                                            window)
+                                            window, replay_start)
         np.testing.assert_array_equal(got, np.array(want, I32))
     return got
 
 
 # --- indexer prefill chunk ----------------------------------------------------------------
-def run_indexer_prefill(kind, qsl, seq_lens, ratio, start, stop, reference=True):
+def run_indexer_prefill(kind, qsl, seq_lens, ratio, start, stop, reference=True,
+                        positions=None, dcp=(1, 0, 1)):
+    """The op into poisoned buffers (the local_cu buffer too under DCP), against the
+    allocating call and the reference; ``positions`` a list or None, ``dcp`` (world
+    size, rank, interleave in compressed rows)."""
     num_reqs = len(qsl) - 1
     total = int(sum(max(s // ratio, 0) for s in seq_lens[:num_reqs]))
     queries = stop - start
+    world, rank, interleave = dcp
     args = (to_kind(np.array(qsl, I32), kind), to_kind(np.array(seq_lens, I32), kind), ratio,
             start, stop)
-    buffers = [to_kind(poisoned(n + EXTRA_ROWS), kind)
-               for n in (num_reqs + 1, total, queries, queries)]
-    got = d4.build_indexer_prefill_chunk_metadata(*args, num_compressed=total, out=buffers)
-    for buffer, n in zip(buffers, (num_reqs + 1, total, queries, queries)):
+    kwargs = dict(num_compressed=total, dcp_rank=rank, dcp_world_size=world,
+                  cp_kv_cache_interleave_size=interleave,
+                  positions=None if positions is None else to_kind(np.array(positions, I64),
+                                                                   kind))
+    lengths = (num_reqs + 1, total, queries, queries, num_reqs + 1)
+    buffers = [to_kind(poisoned(n + EXTRA_ROWS), kind) for n in lengths]
+    got = d4.build_indexer_prefill_chunk_metadata(*args, out=buffers, **kwargs)
+    for buffer, n in zip(buffers, lengths[:4] + ((num_reqs + 1 if world > 1 else 0),)):
         assert_poison_past(buffer, n)
-    same(d4.build_indexer_prefill_chunk_metadata(*args, num_compressed=total), got)
+    assert (got[4] is got[0]) == (world == 1)
+    same(d4.build_indexer_prefill_chunk_metadata(*args, **kwargs), got)
     got = [to_numpy(x) for x in got]
     if reference:
         want = upstream.indexer_prefill_chunk_metadata(list(qsl), list(seq_lens), ratio, start,
-                                                       stop)
+                                                       stop, positions, rank, world, interleave)
         same(got, [np.array(w, I32) for w in want])
     return got
 

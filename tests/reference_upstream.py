@@ -468,15 +468,17 @@ def image_visibility(qsl: list[int], seq_lens: list[int], spans: list[list[tuple
 
 # ---------------------------------------------------------------- upstream §8.3
 def prefill_gather_lens(qsl: list[int], seq_lens: list[int], num_decodes: int,
-                        num_prefills: int, window_size: int = 128) -> list[int]:
-    """upstream.md §8.3 `ComputePrefillMetadataKernel`: for prefill i (request num_decodes+i),
-    q + min(max(L - q, 0), W - 1)."""
+                        num_prefills: int, window_size: int = 128,
+                        replay_start: list[int] | None = None) -> list[int]:
+    """upstream.md §8.3 `ComputePrefillMetadataKernel` (vLLM 0.34's, with replay_start): for
+    prefill i (request d = num_decodes + i), q + min(max(L - q - replay_start[d], 0), W - 1)."""
     out = []
     for i in range(num_prefills):
         b = num_decodes + i
         q = qsl[b + 1] - qsl[b]
         L = seq_lens[b]
-        out.append(q + min(max(L - q, 0), window_size - 1))
+        replay = replay_start[b] if replay_start is not None else 0
+        out.append(q + min(max(L - q - replay, 0), window_size - 1))
     return out
 
 
@@ -518,23 +520,35 @@ def prefill_chunk_plan(seq_lens: list[int], query_lens: list[int], compress_rati
 
 # ---------------------------------------------------------------- upstream §8.1
 def indexer_prefill_chunk_metadata(qsl: list[int], seq_lens: list[int], compress_ratio: int,
-                                   query_slice_start: int, query_slice_stop: int):
-    """upstream.md §8.1 `BuildPrefillChunkMetadataKernel`, no DCP (row_start = cu_compressed).
+                                   query_slice_start: int, query_slice_stop: int,
+                                   positions: list[int] | None = None, dcp_rank: int = 0,
+                                   dcp_world_size: int = 1, interleave: int = 1):
+    """upstream.md §8.1 `BuildPrefillChunkMetadataKernel`, with vLLM 0.34's
+    build_prefill_chunk_metadata arguments: ShardQ positions and DCP.
 
     qsl rebased to 0. cu_compressed = [0] + cumsum(L // r); token_to_seq[cu[b] + x] = b for
     x < L[b] // r; for query token j of request b with a = qsl[b] + j in [start, stop):
-    ks[a - start] = cu[b], ke[a - start] = cu[b] + c_div(prefix[b] + 1 + j, r).
+    ctx = positions[a] + 1 (given) or prefix[b] + 1 + j, len = c_div(ctx, r), and under DCP
+    len = dcp_local_seq_lens(len) and row_start = local_cu[b] (local_cu = [0] + cumsum of each
+    request's rank-local rows), else row_start = cu[b]: ks = row_start, ke = row_start + len.
     Needs 0 <= start <= stop <= qsl[R] (ValueError otherwise) so every output is written.
-    Returns (cu_compressed [R+1], token_to_seq, cu_seqlen_ks [stop-start], cu_seqlen_ke).
+    Returns (cu_compressed [R+1], token_to_seq, cu_seqlen_ks [stop-start], cu_seqlen_ke,
+    local_cu [R+1] (cu_compressed on one rank)).
     """
+    def local(n):
+        if dcp_world_size == 1:
+            return n
+        return dcp_local_seq_lens([n], dcp_world_size, dcp_rank, interleave)[0]
+
     r = compress_ratio
     rq = [x - qsl[0] for x in qsl]
     R = len(rq) - 1
     if not (0 <= query_slice_start <= query_slice_stop <= rq[R]):
         raise ValueError("query slice outside the chunk's tokens")
-    cu = [0]
+    cu, local_cu = [0], [0]
     for b in range(R):
         cu.append(cu[-1] + c_div(seq_lens[b], r))
+        local_cu.append(local_cu[-1] + local(c_div(seq_lens[b], r)))
     token_to_seq = []
     for b in range(R):
         for _ in range(c_div(seq_lens[b], r)):
@@ -548,9 +562,10 @@ def indexer_prefill_chunk_metadata(qsl: list[int], seq_lens: list[int], compress
         for j in range(q):
             a = rq[b] + j
             if query_slice_start <= a < query_slice_stop:
-                ks[a - query_slice_start] = cu[b]
-                ke[a - query_slice_start] = cu[b] + c_div(prefix + 1 + j, r)
-    return cu, token_to_seq, ks, ke
+                context = positions[a] + 1 if positions is not None else prefix + 1 + j
+                ks[a - query_slice_start] = local_cu[b]
+                ke[a - query_slice_start] = local_cu[b] + local(c_div(context, r))
+    return cu, token_to_seq, ks, ke, local_cu
 
 
 # ---------------------------------------------------------------- upstream §8.2

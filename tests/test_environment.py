@@ -75,7 +75,8 @@ def test_cpu_warmup_covers_every_kernel_and_dtype():
     assert {name.split("[")[0] for name in done["cpu"]} == names
     variants = {"compressed_slot_mapping": 2, "c128a_topk_metadata": 4,
                 "fill_short_context_topk_indices": 2, "step_validity": 2,
-                "quantize_and_insert_k_cache": 2, "indexer_k_quant_and_cache": 2}   # dtype axes
+                "quantize_and_insert_k_cache": 2, "indexer_k_quant_and_cache": 2,
+                "indexer_prefill_chunk_metadata": 2}   # dtype axes
     for kernel in families.CPU_KERNELS:
         name = kernel.__name__.removeprefix("cpu_")
         named = [entry for entry in done["cpu"] if entry.split("[")[0] == name]

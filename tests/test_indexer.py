@@ -20,14 +20,14 @@ I32, I64 = np.int32, np.int64
 # --- prefill chunks -------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_chunk_upstream_cases(kind):
-    cu, token_to_seq, ks, ke = run_indexer_prefill(kind, [10, 13, 15], [10, 7], 4, 0, 5)
+    cu, token_to_seq, ks, ke, _ = run_indexer_prefill(kind, [10, 13, 15], [10, 7], 4, 0, 5)
     assert cu.tolist() == [0, 2, 3] and token_to_seq.tolist() == [0, 0, 1]
     assert ks.tolist() == [0, 0, 0, 2, 2] and ke.tolist() == [2, 2, 2, 3, 3]
-    _, _, ks, ke = run_indexer_prefill(kind, [0, 3, 5], [10, 7], 4, 2, 4)
+    _, _, ks, ke, _ = run_indexer_prefill(kind, [0, 3, 5], [10, 7], 4, 2, 4)
     assert ks.tolist() == [0, 2] and ke.tolist() == [2, 3]
-    _, _, ks, ke = run_indexer_prefill(kind, [0, 8], [8], 4, 0, 8)
+    _, _, ks, ke, _ = run_indexer_prefill(kind, [0, 8], [8], 4, 0, 8)
     assert ke.tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
-    _, _, ks, ke = run_indexer_prefill(kind, [0, 5, 5, 12], [9, 3, 40], 4, 0, 12)
+    _, _, ks, ke, _ = run_indexer_prefill(kind, [0, 5, 5, 12], [9, 3, 40], 4, 0, 12)
     positions = [4, 5, 6, 7, 8] + list(range(33, 40))
     assert (ke - ks).tolist() == [(p + 1) // 4 for p in positions]
     run_indexer_prefill(kind, [7], [], 4, 0, 0)                        # no request
@@ -41,17 +41,70 @@ def test_prefill_chunk_random_against_the_reference(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world,rank,interleave,want_ke,want_local", [
+    (1, 0, 1, [1, 2, 3, 4, 5, 6, 7, 8], [0, 8]),
+    (4, 0, 1, [1, 1, 1, 1, 2, 2, 2, 2], [0, 2]),
+    (4, 1, 1, [0, 1, 1, 1, 1, 2, 2, 2], [0, 2]),
+    (2, 1, 1, [0, 1, 1, 2, 2, 3, 3, 4], [0, 4]),
+    (4, 0, 2, [1, 2, 2, 2, 2, 2, 2, 2], [0, 2])])
+def test_dcp_localises_the_causal_bounds_as_vllm_034(kind, world, rank, interleave, want_ke,
+                                                     want_local):
+    # vLLM 0.34's test_sparse_prefill_dcp_metadata_localizes_causal_bounds (ratio 1, L = q = 8)
+    cu, token_to_seq, ks, ke, local_cu = run_indexer_prefill(kind, [0, 8], [8], 1, 0, 8,
+                                                             dcp=(world, rank, interleave))
+    assert ks.tolist() == [0] * 8 and ke.tolist() == want_ke
+    assert local_cu.tolist() == want_local and cu.tolist() == [0, 8]
+    assert token_to_seq.tolist() == [0] * 8                 # the global layout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shardq_positions_and_chunk_slices_of_vllm_034(kind):
+    # ratio 4; requests 1..2 of qsl [0, 1, 6, 14, 14], L [9, 21, 40, 0] as a chunk
+    qsl, seq = [1, 6, 14], [21, 40]
+    cu, token_to_seq, ks, ke, _ = run_indexer_prefill(kind, qsl, seq, 4, 0, 13)
+    assert ke.tolist() == [4, 4, 4, 5, 5, 13, 13, 13, 14, 14, 14, 14, 15]
+    assert cu.tolist() == [0, 5, 15] and token_to_seq.tolist() == [0] * 5 + [1] * 10
+    _, _, ks, ke, _ = run_indexer_prefill(kind, qsl, seq, 4, 3, 10)
+    assert ks.tolist() == [0, 0, 5, 5, 5, 5, 5] and ke.tolist() == [5, 5, 13, 13, 13, 14, 14]
+    positions = [16, 17, 18, 19, 20, 30, 31, 32, 33, 34, 35, 36, 39]
+    _, _, _, ke, _ = run_indexer_prefill(kind, qsl, seq, 4, 0, 13, positions=positions)
+    assert ke.tolist() == [4, 4, 4, 5, 5, 12, 13, 13, 13, 13, 14, 14, 15]
+    rng = np.random.default_rng(5)
+    for _ in range(8):
+        case = random_indexer_prefill_case(rng)
+        queries = case[0][-1] - case[0][0]
+        world = int(rng.choice([1, 2, 4]))
+        run_indexer_prefill(kind, *case, positions=rng.integers(0, 500, max(queries, case[4]))
+                            .tolist(), dcp=(world, int(rng.integers(0, world)),
+                                            int(rng.choice([1, 2, 4]))))
+
+
+def test_indexer_prefill_chunk_tokens_is_vllm_034s():
+    qsl = np.array([0, 1, 6, 14, 14], I32)
+    assert d4.indexer_prefill_chunk_tokens(qsl, 1, 3) == (1, 14, False)
+    assert d4.indexer_prefill_chunk_tokens(qsl, 1, 3, slice(3, 10)) == (4, 11, True)
+    assert d4.indexer_prefill_chunk_tokens(qsl, 1, 3, slice(0, 4)) == (1, 5, False)
+    assert d4.indexer_prefill_chunk_tokens(qsl, 1, 3, slice(5, 100)) == (6, 14, True)
+    assert d4.indexer_prefill_chunk_tokens(qsl, 1, 3, None, True) == (1, 14, True)
+    with pytest.raises(ValueError, match="end_idx: expected an int <= 4"):
+        d4.indexer_prefill_chunk_tokens(qsl, 1, 5)
+    with pytest.raises(TypeError, match="query_slice: expected a slice of step 1"):
+        d4.indexer_prefill_chunk_tokens(qsl, 1, 3, slice(0, 4, 2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_num_compressed_past_or_short_of_the_total_and_a_slice_past_the_tokens(kind):
     qsl, seq = to_kind(np.array([0, 3, 5], I32), kind), to_kind(np.array([10, 7], I32), kind)
-    cu, token_to_seq, _, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5,
+    cu, token_to_seq, _, _, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5,
                                                                      num_compressed=6)
     assert to_numpy(cu).tolist() == [0, 2, 3]
     assert to_numpy(token_to_seq).tolist() == [0, 0, 1, -1, -1, -1]   # -1 past the total
-    _, token_to_seq, _, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5,
+    _, token_to_seq, _, _, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5,
                                                                     num_compressed=2)
     assert to_numpy(token_to_seq).tolist() == [0, 0]
     # Slice offsets past the chunk's 5 tokens get an empty range at the total.
-    _, _, ks, ke = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 3, 8, num_compressed=3)
+    _, _, ks, ke, _ = d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 3, 8,
+                                                              num_compressed=3)
     assert to_numpy(ks).tolist() == [2, 2, 3, 3, 3] and to_numpy(ke).tolist() == [3, 3, 3, 3, 3]
 
 

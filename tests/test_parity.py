@@ -130,6 +130,41 @@ def test_padding_with_a_stale_huge_position_writes_minus_one_only(kind):
     assert (gd == -1).all() and lens.tolist() == [0]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_rows_as_vllm_034_writes_them(kind):
+    # vLLM 0.34's BuildC128ATopkMetadataKernel: a padding token's row holds the slot ids its
+    # (stale) position sees, at length 0
+    gd, lens, pf = run_c128a(kind, [1000, 300, 300], 2, [0, 1, 0],
+                             [[7, 3, 9, 4], [2, 2, 2, 2]], 2, [5, -1, 9], 128,
+                             padding_rows="slots")
+    assert gd[0, :8].tolist() == [14, 15, 6, 7, 18, 19, 8, -1]
+    assert gd[1, :3].tolist() == [4, 5, -1] and (gd[1, 2:] == -1).all()
+    assert lens.tolist() == [7, 0] and pf[0, :3].tolist() == [0, 1, -1]
+    with pytest.raises(ValueError, match="padding_rows: expected one of"):
+        run_c128a(kind, [1], 1, [0], [[1]], 2, [0], 128, padding_rows="vllm")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_builders_keep_vllms_padding_rows_on_request(kind):
+    batch = make_batch([1, 1, 2], [70_000, 5_000, 1_000], pad_tokens=3, threshold=2)
+    like = to_kind(np.zeros(1, I32), kind)
+    default, keeping = (d4.DeepseekV4MetadataBuilder(128, 1 << 17, MAX_TOKENS,
+                                                     num_speculative_tokens=1, like=like,
+                                                     padding_rows=rows)
+                        for rows in ("minus_one", "slots"))
+    padding = np.flatnonzero(batch.slot_mapping < 0)
+    batch.positions[padding] = 4_000                 # a stale position that sees 31 rows
+    cm = common_metadata(batch, kind)
+    kept = to_numpy(keeping.build(0, cm).c128a_global_decode_topk_indices)[:, 0]
+    empty = to_numpy(default.build(0, cm).c128a_global_decode_topk_indices)[:, 0]
+    lens = to_numpy(keeping.build(0, cm).c128a_decode_topk_lens)
+    padding = padding[padding < len(lens)]
+    assert padding.size and (lens[padding] == 0).all() and (empty[padding] == -1).all()
+    assert (kept[padding, :31] >= 0).all() and (kept[padding, 31:] == -1).all()
+    real = np.setdiff1d(np.arange(len(lens)), padding)
+    np.testing.assert_array_equal(kept[real], empty[real])
+
+
 # --- decode context parallelism ---------------------------------------------------------
 D_TABLE = [[30 + 8 * i + j for j in range(8)] for i in range(3)]
 

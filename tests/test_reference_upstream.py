@@ -537,12 +537,13 @@ def test_prefill_chunk_plan_splits():
 
 # ====================================================================== upstream §8.1
 def test_indexer_prefill_chunk_metadata():
-    cu, tts, ks, ke = indexer_prefill_chunk_metadata([10, 13, 15], [10, 7], 4, 0, 5)
+    cu, tts, ks, ke, local = indexer_prefill_chunk_metadata([10, 13, 15], [10, 7], 4, 0, 5)
+    assert local == cu
     assert cu == [0, 2, 3] and tts == [0, 0, 1]
     assert ks == [0, 0, 0, 2, 2] and ke == [2, 2, 2, 3, 3]
-    _, _, ks, ke = indexer_prefill_chunk_metadata([0, 3, 5], [10, 7], 4, 2, 4)
+    _, _, ks, ke, _ = indexer_prefill_chunk_metadata([0, 3, 5], [10, 7], 4, 2, 4)
     assert ks == [0, 2] and ke == [2, 3]
-    cu, tts, ks, ke = indexer_prefill_chunk_metadata([0, 8], [8], 4, 0, 8)
+    cu, tts, ks, ke, _ = indexer_prefill_chunk_metadata([0, 8], [8], 4, 0, 8)
     assert cu == [0, 2] and tts == [0, 0]
     assert ks == [0] * 8 and ke == [0, 0, 0, 1, 1, 1, 1, 2]
     with pytest.raises(ValueError):
@@ -551,7 +552,7 @@ def test_indexer_prefill_chunk_metadata():
 
 def test_indexer_prefill_ke_minus_ks_is_visible_rows():
     qsl, seq = [0, 5, 5, 12], [9, 3, 40]
-    _, _, ks, ke = indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 12)
+    _, _, ks, ke, _ = indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 12)
     pos = [4, 5, 6, 7, 8] + list(range(33, 40))
     assert [ke[i] - ks[i] for i in range(12)] == [(p + 1) // 4 for p in pos]
 

@@ -73,7 +73,7 @@ def composition(cms, builder):
         out["prefill_gather_lens"] = gather
         host_seq = cm.seq_lens_cpu[nr:].astype(I64)
         (out["indexer_cu_compressed"], out["indexer_token_to_seq"], out["indexer_cu_seqlen_ks"],
-         out["indexer_cu_seqlen_ke"]) = d4.build_indexer_prefill_chunk_metadata(
+         out["indexer_cu_seqlen_ke"], _) = d4.build_indexer_prefill_chunk_metadata(
             qsl[nr:], seq[nr:], 4, 0, ntp, num_compressed=int((host_seq // 4).sum()))
         if builder.combined_prefill:
             queries = np.diff(host_qsl[nr:]).astype(I64)

@@ -251,6 +251,9 @@ def test_replay_start_bounds_the_window(kind):
     rows, lens = run_swa(kind, 8, qsl, seq, t2r, [True] * 46, table, 64,
                          replay_start=[12, 0, 0])
     assert lens[0] == 5 and lens[23] == 8              # position 16 sees 12..16
+    gather = run_gather_lens(kind, qsl, seq, 0, 3, 8, replay_start=[12, 0, 0])
+    assert gather.tolist() == [28, 12, 17]
+    run_gather_lens(kind, [0, 1, 5, 9], [30, 9, 200], 1, 2, 128, replay_start=[3, 50, 150])
     # a replay start past the position: vLLM's length goes negative, here 0 and -1s
     rows, lens = run_swa(kind, 4, [0, 1, 13], [7, 12], [0] + [1] * 12, [True] * 13,
                          [[3, 5], [8, 9]], 8, replay_start=[0, 5])
