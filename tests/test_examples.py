@@ -58,3 +58,16 @@ def test_gpu_examples(name):
 @pytest.mark.gpu
 def test_swa_c4a_step_runs_on_the_gpu():
     assert run_example("swa_c4a_step.py").startswith("GPU (cupy)")
+
+
+def test_vllm_plugin():
+    """Builds vLLM's C128A builder through its runner with the plugin: where vLLM is
+    installed it prints the library's builder and metadata; elsewhere it says it skips."""
+    out = run_example("vllm_plugin.py")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert "vLLM is not installed; skipping this example" in out
+        return
+    assert "the runner's builder: dsv4_cupy.vllm.builders Dsv4CupyFlashMLAMetadataBuilder" in out
+    assert "c128a_decode_topk_lens [8, 23]" in out

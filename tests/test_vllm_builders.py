@@ -1,0 +1,164 @@
+"""The vLLM plugin's builders against vLLM 0.34 itself (the `vllm` tier: runs
+where vLLM is installed, skipped elsewhere). vLLM's own builders are the
+reference, their Triton kernels run on CPU tensors in the interpreter; the
+plugin's builders run the library's numba path. Every field of every build is
+compared on random batches of 1-token and MTP decodes, prefills, graph
+padding, zero-length requests and no request at all."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import tempfile
+
+for _name, _value in {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+                      "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}.items():
+    os.environ.setdefault(_name, _value)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the vllm tier)")
+torch = pytest.importorskip("torch")
+
+from vllm.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,  # noqa: E402,F401
+                         VllmConfig, set_current_vllm_config)
+from vllm.models.deepseek_v4.attention import (DeepseekV4Attention,  # noqa: E402
+                                               _resolve_dsv4_kv_cache_dtype)
+from vllm.models.deepseek_v4.sparse_mla import (DeepseekV4FlashMLABackend,  # noqa: E402
+                                                DeepseekV4FlashMLAMetadataBuilder)
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
+
+from dsv4_cupy.vllm.builders import Dsv4CupyFlashMLAMetadataBuilder  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MAX_MODEL_LEN, MAX_TOKENS, MAX_SEQS, BLOCK = 4096, 256, 8, 256
+
+
+@pytest.fixture(scope="module")
+def config():
+    CpuPlatform.check_and_update_config = classmethod(lambda cls, vllm_config: None)
+    import transformers
+    folder = tempfile.mkdtemp(prefix="dsv4cfg_")
+    transformers.DeepseekV4Config(architectures=["DeepseekV4ForCausalLM"]).save_pretrained(folder)
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=folder, skip_tokenizer_init=True,
+                                 max_model_len=MAX_MODEL_LEN, dtype="bfloat16"),
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="fp8_ds_mla"),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS,
+                                         max_num_seqs=MAX_SEQS, max_model_len=MAX_MODEL_LEN,
+                                         is_encoder_decoder=False))
+    hf = vllm_config.model_config.hf_config
+    dtype, torch_dtype = _resolve_dsv4_kv_cache_dtype(True, "fp8_ds_mla",
+                                                      vllm_config.cache_config)
+    specs = {}
+    with set_current_vllm_config(vllm_config):
+        for ratio in (4, 128):
+            layer = dataclasses.make_dataclass("Layer", ["compress_ratio", "kv_cache_dtype",
+                                                          "kv_cache_torch_dtype", "head_dim"])
+            specs[ratio] = DeepseekV4Attention.get_kv_cache_spec(
+                layer(ratio, dtype, torch_dtype, hf.head_dim), vllm_config)
+    return vllm_config, specs
+
+
+def builders(config, ratio):
+    vllm_config, specs = config
+    with set_current_vllm_config(vllm_config):
+        return (DeepseekV4FlashMLAMetadataBuilder(specs[ratio], ["layer"], vllm_config, "cpu"),
+                Dsv4CupyFlashMLAMetadataBuilder(specs[ratio], ["layer"], vllm_config, "cpu"))
+
+
+def random_batch(rng, decodes, decode_len, prefills, pad, zero_rows=0):
+    """A CommonAttentionMetadata: decodes of 1..decode_len tokens first, then
+    prefill chunks, zero-length rows, then pad graph-padding tokens (slot -1)."""
+    query = [int(q) for q in rng.integers(1, decode_len + 1, decodes)] + list(prefills) + \
+        [0] * zero_rows
+    seq = [q + int(rng.integers(0, MAX_MODEL_LEN - 300)) if q else 0 for q in query]
+    qsl = np.concatenate([[0], np.cumsum(query)]).astype(np.int32)
+    tokens = int(qsl[-1]) + pad
+    blocks = -(-MAX_MODEL_LEN // BLOCK)
+    table = rng.integers(0, 500, (len(query), blocks)).astype(np.int32)
+    table[rng.random(table.shape) < 0.05] = -1
+    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
+                               [rng.integers(0, 2000, pad)]).astype(np.int64)
+    slots = rng.integers(0, 1 << 20, tokens).astype(np.int64)
+    slots[int(qsl[-1]):] = -1
+    return CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl.copy()), query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(query),
+        num_actual_tokens=tokens, max_query_len=max(query, default=0),
+        max_seq_len=max(seq, default=0), block_table_tensor=torch.from_numpy(table),
+        slot_mapping=torch.from_numpy(slots), positions=torch.from_numpy(positions),
+        is_prefilling=torch.tensor([q > decode_len for q in query]),
+        seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32))
+
+
+def assert_same(ours, theirs):
+    assert type(ours) is type(theirs)
+    for field in dataclasses.fields(theirs):
+        a, b = getattr(ours, field.name), getattr(theirs, field.name)
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), field.name
+            assert (a.shape, a.dtype) == (b.shape, b.dtype), field.name
+            assert a.stride() == b.stride(), field.name
+            assert torch.equal(a, b), field.name
+        else:
+            assert a == b, field.name
+
+
+STEPS = [(3, 1, [], 0, 0), (4, 2, [], 3, 0), (2, 2, [40, 7], 0, 1), (0, 1, [60], 2, 0),
+         (0, 1, [], 0, 0), (5, 1, [], 0, 2)]
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_every_field_equals_vllms_builder(config, ratio):
+    theirs, ours = builders(config, ratio)
+    rng = np.random.default_rng(ratio)
+    addresses = None
+    for decodes, depth, prefills, pad, zero_rows in STEPS:
+        cm = random_batch(rng, decodes, depth, prefills, pad, zero_rows)
+        cm_ours = copy.copy(cm)
+        cm_ours.block_table_tensor = cm.block_table_tensor.clone()
+        want = theirs.build(0, cm)
+        got = ours.build(0, cm_ours)
+        assert_same(got, want)
+        # the side effects later code relies on: the clamped table, the cached token map
+        assert torch.equal(cm_ours.block_table_tensor, cm.block_table_tensor)
+        assert torch.equal(cm_ours._token_to_req_indices_cache[:cm.num_actual_tokens],
+                           want.req_id_per_token)
+        buffers = (ours.req_id_per_token_buffer.data_ptr(),
+                   ours.compressed_slot_mapping_buffer.data_ptr())
+        assert addresses in (None, buffers)
+        addresses = buffers
+
+
+def test_a_capture_batch_gets_the_capacity_width(config):
+    theirs, ours = builders(config, 128)
+    cm = random_batch(np.random.default_rng(3), 4, 1, [], 0)
+    cm.slot_mapping[:] = -1
+    cm.max_seq_len = MAX_MODEL_LEN
+    want = theirs.build_for_cudagraph_capture(copy.copy(cm))
+    got = ours.build_for_cudagraph_capture(cm)
+    rows, their_rows = got.c128a_global_decode_topk_indices, want.c128a_global_decode_topk_indices
+    assert rows.shape[-1] == ours.c128a_max_compressed == their_rows.shape[-1]
+    assert rows.stride() == their_rows.stride()
+    # every token is padding: vLLM keeps its slot ids, the library writes -1 (README,
+    # "Differences"); the lengths, 0, are what the kernels read
+    assert (rows == -1).all() and (got.c128a_decode_topk_lens == 0).all()
+    got.c128a_global_decode_topk_indices = their_rows
+    assert_same(got, want)
+
+
+def test_the_runner_builds_the_patched_class(config, monkeypatch):
+    from dsv4_cupy.vllm import builders as plugin_builders
+    vllm_config, specs = config
+    monkeypatch.setattr(DeepseekV4FlashMLABackend, "get_builder_cls",
+                        DeepseekV4FlashMLABackend.get_builder_cls)
+    plugin_builders.install()
+    group = AttentionGroup(DeepseekV4FlashMLABackend, ["layer"], specs[128], kv_cache_group_id=0)
+    with set_current_vllm_config(vllm_config):
+        group.create_metadata_builders(vllm_config, torch.device("cpu"), kernel_block_size=BLOCK)
+    assert type(group.metadata_builders[0]) is Dsv4CupyFlashMLAMetadataBuilder

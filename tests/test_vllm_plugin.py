@@ -1,0 +1,88 @@
+"""register() of the vLLM plugin (dsv4_cupy.vllm) on stand-ins for vLLM's
+modules: off unless DSV4_CUPY_VLLM=1, idempotent, nothing patched on an
+untested vLLM or an unserved platform, and what it patched logged. The
+patched builders against vLLM itself are tests/test_vllm_builders.py."""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+import dsv4_cupy.vllm as plugin
+
+
+class Platform:
+    def __init__(self, kind="cpu", major=None):
+        self.kind, self.major = kind, major
+
+    def is_cpu(self):
+        return self.kind == "cpu"
+
+    def is_cuda(self):
+        return self.kind == "cuda"
+
+    def get_device_capability(self):
+        return types.SimpleNamespace(major=self.major, minor=0)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """vllm (0.34.0, CPU platform) and the builders module, as stand-ins; the
+    installs they see are counted in the returned list."""
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = "0.34.0"
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = Platform()
+    builders = types.ModuleType("dsv4_cupy.vllm.builders")
+    installs = []
+    builders.install = lambda: installs.append(1) or {"Backend.get_builder_cls": "Ours"}
+    for name, module in (("vllm", vllm), ("vllm.platforms", platforms),
+                         ("dsv4_cupy.vllm.builders", builders)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(plugin, "_patched", {})
+    return types.SimpleNamespace(vllm=vllm, platforms=platforms, installs=installs)
+
+
+def test_off_unless_the_variable_says_1(stand_ins, monkeypatch):
+    for value in (None, "0", "true"):
+        if value is None:
+            monkeypatch.delenv(plugin.ENABLE_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(plugin.ENABLE_VARIABLE, value)
+        plugin.register()
+    assert stand_ins.installs == [] and plugin.patched() == {}
+
+
+def test_on_it_patches_once_and_says_what(stand_ins, monkeypatch, caplog):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")
+    with caplog.at_level(logging.INFO, logger="vllm.dsv4_cupy"):
+        plugin.register()
+        plugin.register()                     # vLLM may load plugins twice
+    assert stand_ins.installs == [1]
+    assert plugin.patched() == {"Backend.get_builder_cls": "Ours"}
+    assert "dsv4_cupy: Backend.get_builder_cls -> Ours" in caplog.text
+
+
+@pytest.mark.parametrize("version", ["0.33.1", "0.35.0", "1.0.0"])
+def test_an_untested_version_patches_nothing_and_warns(stand_ins, monkeypatch, caplog, version):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")
+    stand_ins.vllm.__version__ = version
+    with caplog.at_level(logging.WARNING, logger="vllm.dsv4_cupy"):
+        plugin.register()
+    assert stand_ins.installs == [] and plugin.patched() == {}
+    assert f"vLLM {version} is not a tested version (0.34); nothing patched" in caplog.text
+
+
+@pytest.mark.parametrize("platform,served", [
+    (Platform("cuda", 9), True), (Platform("cuda", 10), True), (Platform("cpu"), True),
+    (Platform("cuda", 12), False), (Platform("cuda", 8), False), (Platform("rocm"), False)])
+def test_only_served_platforms_are_patched(stand_ins, monkeypatch, caplog, platform, served):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")
+    stand_ins.platforms.current_platform = platform
+    with caplog.at_level(logging.WARNING, logger="vllm.dsv4_cupy"):
+        plugin.register()
+    assert bool(stand_ins.installs) == served
+    if not served:
+        assert "is not served" in caplog.text and "nothing patched" in caplog.text
