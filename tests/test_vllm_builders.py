@@ -23,15 +23,21 @@ torch = pytest.importorskip("torch")
 
 from vllm.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,  # noqa: E402,F401
                          VllmConfig, set_current_vllm_config)
+import vllm.v1.attention.backends.mla.sparse_swa as sparse_swa  # noqa: E402
 from vllm.models.deepseek_v4.attention import (DeepseekV4Attention,  # noqa: E402
                                                _resolve_dsv4_kv_cache_dtype)
+from vllm.models.deepseek_v4.nvidia.flashmla import (  # noqa: E402
+    DeepseekSparseSWAFlashMLABackend, DeepseekSparseSWAFlashMLAMetadataBuilder)
+from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache  # noqa: E402
+from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta  # noqa: E402
 from vllm.models.deepseek_v4.sparse_mla import (DeepseekV4FlashMLABackend,  # noqa: E402
                                                 DeepseekV4FlashMLAMetadataBuilder)
 from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 
-from dsv4_cupy.vllm.builders import Dsv4CupyFlashMLAMetadataBuilder  # noqa: E402
+from dsv4_cupy.vllm.builders import (Dsv4CupyFlashMLAMetadataBuilder,  # noqa: E402
+                                     Dsv4CupySWAMetadataBuilder)
 
 pytestmark = pytest.mark.vllm
 
@@ -41,6 +47,9 @@ MAX_MODEL_LEN, MAX_TOKENS, MAX_SEQS, BLOCK = 4096, 256, 8, 256
 @pytest.fixture(scope="module")
 def config():
     CpuPlatform.check_and_update_config = classmethod(lambda cls, vllm_config: None)
+    # FlashMLA's extension is absent on CPU: an empty tile-scheduler holder, as on a GPU
+    # before its first decode call.
+    sparse_swa.get_mla_metadata = lambda *args, **kwargs: (FlashMLASchedMeta(), None)
     import transformers
     folder = tempfile.mkdtemp(prefix="dsv4cfg_")
     transformers.DeepseekV4Config(architectures=["DeepseekV4ForCausalLM"]).save_pretrained(folder)
@@ -61,25 +70,34 @@ def config():
                                                           "kv_cache_torch_dtype", "head_dim"])
             specs[ratio] = DeepseekV4Attention.get_kv_cache_spec(
                 layer(ratio, dtype, torch_dtype, hf.head_dim), vllm_config)
+        specs["swa"] = DeepseekV4SWACache(
+            head_dim=hf.head_dim, window_size=hf.sliding_window, dtype=torch_dtype,
+            prefix="model.layers.0.attn.swa_cache", cache_config=vllm_config.cache_config,
+            backend_cls=DeepseekSparseSWAFlashMLABackend).get_kv_cache_spec(vllm_config)
     return vllm_config, specs
 
 
 def builders(config, ratio):
+    """vLLM's builder and the plugin's for the C4A (4), C128A (128) or SWA ("swa") group."""
     vllm_config, specs = config
+    theirs, ours = ((DeepseekSparseSWAFlashMLAMetadataBuilder, Dsv4CupySWAMetadataBuilder)
+                    if ratio == "swa" else
+                    (DeepseekV4FlashMLAMetadataBuilder, Dsv4CupyFlashMLAMetadataBuilder))
     with set_current_vllm_config(vllm_config):
-        return (DeepseekV4FlashMLAMetadataBuilder(specs[ratio], ["layer"], vllm_config, "cpu"),
-                Dsv4CupyFlashMLAMetadataBuilder(specs[ratio], ["layer"], vllm_config, "cpu"))
+        return (theirs(specs[ratio], ["layer"], vllm_config, torch.device("cpu")),
+                ours(specs[ratio], ["layer"], vllm_config, torch.device("cpu")))
 
 
-def random_batch(rng, decodes, decode_len, prefills, pad, zero_rows=0):
+def random_batch(rng, decodes, decode_len, prefills, pad, zero_rows=0, block=BLOCK):
     """A CommonAttentionMetadata: decodes of 1..decode_len tokens first, then
-    prefill chunks, zero-length rows, then pad graph-padding tokens (slot -1)."""
+    prefill chunks, zero-length rows, then pad graph-padding tokens (slot -1);
+    block tables of ``block``-token blocks."""
     query = [int(q) for q in rng.integers(1, decode_len + 1, decodes)] + list(prefills) + \
         [0] * zero_rows
     seq = [q + int(rng.integers(0, MAX_MODEL_LEN - 300)) if q else 0 for q in query]
     qsl = np.concatenate([[0], np.cumsum(query)]).astype(np.int32)
     tokens = int(qsl[-1]) + pad
-    blocks = -(-MAX_MODEL_LEN // BLOCK)
+    blocks = -(-MAX_MODEL_LEN // block)
     table = rng.integers(0, 500, (len(query), blocks)).astype(np.int32)
     table[rng.random(table.shape) < 0.05] = -1
     positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query, seq)] +
@@ -100,7 +118,9 @@ def assert_same(ours, theirs):
     assert type(ours) is type(theirs)
     for field in dataclasses.fields(theirs):
         a, b = getattr(ours, field.name), getattr(theirs, field.name)
-        if isinstance(b, torch.Tensor):
+        if isinstance(b, FlashMLASchedMeta) or b is None:
+            assert type(a) is type(b), field.name
+        elif isinstance(b, torch.Tensor):
             assert isinstance(a, torch.Tensor), field.name
             assert (a.shape, a.dtype) == (b.shape, b.dtype), field.name
             assert a.stride() == b.stride(), field.name
@@ -135,6 +155,22 @@ def test_every_field_equals_vllms_builder(config, ratio):
         addresses = buffers
 
 
+@pytest.mark.parametrize("replay", [False, True])
+def test_the_swa_builder_equals_vllms(config, replay):
+    theirs, ours = builders(config, "swa")
+    rng = np.random.default_rng(7 + replay)
+    for decodes, depth, prefills, pad, zero_rows in STEPS:
+        cm = random_batch(rng, decodes, depth, prefills, pad, zero_rows, block=64)
+        start = None
+        if replay:               # a replay start at or before each request's first query
+            start = torch.from_numpy(np.array(
+                [int(rng.integers(0, max(s - q, 0) + 1)) for s, q in zip(
+                    cm.seq_lens.tolist(), np.diff(cm.query_start_loc_cpu.numpy()))], np.int32))
+        want = theirs.build(0, copy.copy(cm), replay_start=start)
+        got = ours.build(0, copy.copy(cm), replay_start=start)
+        assert_same(got, want)
+
+
 def test_a_capture_batch_gets_the_capacity_width(config):
     theirs, ours = builders(config, 128)
     cm = random_batch(np.random.default_rng(3), 4, 1, [], 0)
@@ -157,8 +193,14 @@ def test_the_runner_builds_the_patched_class(config, monkeypatch):
     vllm_config, specs = config
     monkeypatch.setattr(DeepseekV4FlashMLABackend, "get_builder_cls",
                         DeepseekV4FlashMLABackend.get_builder_cls)
+    monkeypatch.setattr(DeepseekSparseSWAFlashMLABackend, "get_builder_cls",
+                        DeepseekSparseSWAFlashMLABackend.get_builder_cls)
     plugin_builders.install()
-    group = AttentionGroup(DeepseekV4FlashMLABackend, ["layer"], specs[128], kv_cache_group_id=0)
-    with set_current_vllm_config(vllm_config):
-        group.create_metadata_builders(vllm_config, torch.device("cpu"), kernel_block_size=BLOCK)
-    assert type(group.metadata_builders[0]) is Dsv4CupyFlashMLAMetadataBuilder
+    for backend, spec, block, cls in (
+            (DeepseekV4FlashMLABackend, specs[128], BLOCK, Dsv4CupyFlashMLAMetadataBuilder),
+            (DeepseekSparseSWAFlashMLABackend, specs["swa"], 64, Dsv4CupySWAMetadataBuilder)):
+        group = AttentionGroup(backend, ["layer"], spec, kv_cache_group_id=0)
+        with set_current_vllm_config(vllm_config):
+            group.create_metadata_builders(vllm_config, torch.device("cpu"),
+                                           kernel_block_size=block)
+        assert type(group.metadata_builders[0]) is cls

@@ -4,10 +4,16 @@ from __future__ import annotations
 import logging
 
 import torch
+from vllm.models.deepseek_v4.nvidia.flashmla import (DeepseekSparseSWAFlashMLABackend,
+                                                     DeepseekSparseSWAFlashMLAMetadataBuilder)
 from vllm.models.deepseek_v4.sparse_mla import (DeepseekV4FlashMLABackend,
                                                 DeepseekV4FlashMLAMetadata,
                                                 DeepseekV4FlashMLAMetadataBuilder)
 from vllm.v1.attention.backend import AttentionMetadataBuilder
+from vllm.v1.attention.backends.mla.sparse_swa import (_LAYER_TYPE_C1A, _LAYER_TYPE_C2A,
+                                                       _LAYER_TYPE_C4A, _LAYER_TYPE_C128A,
+                                                       _LAYER_TYPE_SWAONLY,
+                                                       DeepseekSparseSWAMetadata)
 
 import dsv4_cupy
 
@@ -94,9 +100,115 @@ class Dsv4CupyFlashMLAMetadataBuilder(DeepseekV4FlashMLAMetadataBuilder):
         return self.build(0, common_attn_metadata)
 
 
+def step_token_map(cm, buffer):
+    """vLLM's ``cm.token_to_req_indices(buffer)`` by the library: the map cached on
+    the step's metadata when an earlier group made it, else made into ``buffer``
+    (``max(mapped tokens, num_actual_tokens)`` entries) and cached there."""
+    if cm._token_to_req_indices_cache is None:
+        tokens = max(int(cm.query_start_loc_cpu[-1]), cm.num_actual_tokens)
+        cm._token_to_req_indices_cache = dsv4_cupy.token_to_req_indices(
+            cm.query_start_loc[:cm.num_reqs + 1], tokens, out=buffer)
+    return cm._token_to_req_indices_cache[:cm.num_actual_tokens]
+
+
+class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
+    """vLLM's ``DeepseekSparseSWAFlashMLAMetadataBuilder`` whose rows come from the
+    library's ops, written into vLLM's own persistent buffers: the token map,
+    the decode and prefill SWA rows (image visibility, replay start and
+    DSpark's non-causal rows included) and the prefill gather lengths. The
+    split, the validity mask, the host slices and the FlashMLA tile-scheduler
+    holders are vLLM's; so is ``update_draft_decode_metadata``."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False,
+              replay_start=None):
+        cm = common_attn_metadata
+        qsl, seq, table = cm.query_start_loc, cm.seq_lens, cm.block_table_tensor
+        num_decodes, num_prefills, nd, npt = dsv4_cupy.split_decodes_and_prefills(
+            cm.query_start_loc_cpu[:cm.num_reqs + 1], self.decode_threshold,
+            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len)
+        token_map = step_token_map(cm, self.token_to_req_indices)
+        is_valid = self.is_valid_token[:cm.slot_mapping.shape[0]]
+        torch.ge(cm.slot_mapping, 0, out=is_valid)
+        replay = replay_start                          # None: no lower bound
+        rows = dict(query_start_loc=qsl, seq_lens=seq, token_to_req_indices=token_map,
+                    is_valid_token=is_valid, block_table=table, block_size=self.block_size)
+        causal = bool(cm.causal)
+        decode_rows = self.decode_swa_indices
+        if nd:
+            self.decode_swa_lens[nd:] = 0
+            if not causal:
+                if self.decode_swa_indices_noncausal is None:
+                    self.decode_swa_indices_noncausal = torch.zeros(
+                        self._max_tokens, 1, self.noncausal_index_width, dtype=torch.int32,
+                        device=self.device)
+                decode_rows = self.decode_swa_indices_noncausal
+            dsv4_cupy.compute_swa_indices_and_lens(
+                self.window_size, token_offset=0, num_rows=nd,
+                index_width=decode_rows.shape[-1], replay_start=replay, causal=causal,
+                out=(decode_rows, self.decode_swa_lens), **rows)
+        left = right = None
+        spans = cm.mm_req_doc_ranges
+        if self.max_image_tokens > 0 and npt and spans and any(spans.values()):
+            left, right = self._image_visibility(cm, spans, nd, npt, token_map)
+        if npt:
+            dsv4_cupy.compute_swa_indices_and_lens(
+                self.window_size, token_offset=nd, num_rows=npt,
+                index_width=self.prefill_index_width, left_visible=left, right_visible=right,
+                replay_start=replay, out=(self.prefill_swa_indices, self.prefill_swa_lens),
+                **rows)
+        prefill = {}
+        if num_prefills:
+            prefill = dict(
+                prefill_seq_lens=seq[num_decodes:],
+                prefill_seq_lens_cpu=cm.seq_lens_cpu_upper_bound[num_decodes:],
+                prefill_gather_lens=dsv4_cupy.compute_prefill_gather_lens(
+                    qsl, seq, num_decodes, num_prefills, self.window_size,
+                    replay_start=replay),
+                prefill_query_lens_cpu=(
+                    cm.query_start_loc_cpu[num_decodes + 1:num_decodes + num_prefills + 1]
+                    - cm.query_start_loc_cpu[num_decodes:num_decodes + num_prefills]
+                ).to(dtype=torch.int32),
+                prefill_window_size=self.window_size, prefill_max_model_len=self.max_model_len,
+                prefill_max_num_batched_tokens=self.max_num_batched_tokens)
+        tiles = self.build_tile_scheduler(nd)
+        return DeepseekSparseSWAMetadata(
+            seq_lens=seq, query_start_loc=qsl, query_start_loc_cpu=cm.query_start_loc_cpu,
+            block_table=table, slot_mapping=cm.slot_mapping, is_valid_token=is_valid,
+            token_to_req_indices=token_map, decode_swa_indices=decode_rows[:nd],
+            decode_swa_lens=self.decode_swa_lens[:nd],
+            decode_swa_width=self.window_size if causal else self.noncausal_index_width,
+            prefill_swa_indices=self.prefill_swa_indices[:npt] if npt else None,
+            prefill_swa_lens=self.prefill_swa_lens[:npt] if npt else None,
+            prefill_left_visible=left, prefill_right_visible=right,
+            replay_start=self.no_replay_start if replay_start is None else replay_start,
+            block_size=self.block_size, num_decodes=num_decodes, num_prefills=num_prefills,
+            num_decode_tokens=nd, num_prefill_tokens=npt,
+            max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
+            tile_sched_swaonly=tiles[_LAYER_TYPE_SWAONLY], tile_sched_c4a=tiles[_LAYER_TYPE_C4A],
+            tile_sched_c128a=tiles[_LAYER_TYPE_C128A], tile_sched_c1a=tiles[_LAYER_TYPE_C1A],
+            tile_sched_c2a=tiles[_LAYER_TYPE_C2A], **prefill)
+
+    def _image_visibility(self, cm, spans, nd, npt, token_map):
+        """vLLM's span CSR uploaded into its buffers, the library's visibility
+        kernel into its left/right buffers: views of the step's tokens."""
+        indptr, starts, ends = dsv4_cupy.image_span_csr(spans, cm.num_reqs)
+        self.span_indptr[:cm.num_reqs + 1].copy_(torch.from_numpy(indptr))
+        self.span_starts[:starts.size].copy_(torch.from_numpy(starts))
+        self.span_ends[:ends.size].copy_(torch.from_numpy(ends))
+        return dsv4_cupy.compute_image_visibility(
+            self.span_indptr[:cm.num_reqs + 1], self.span_starts[:starts.size],
+            self.span_ends[:ends.size], cm.query_start_loc[:cm.num_reqs + 1], cm.seq_lens,
+            token_map, self.max_image_tokens, nd, npt,
+            out=(self.left_visible, self.right_visible))
+
+
 def install() -> dict:
     """Patch the backends' ``get_builder_cls``; what was patched, by name."""
     DeepseekV4FlashMLABackend.get_builder_cls = staticmethod(
         lambda: Dsv4CupyFlashMLAMetadataBuilder)
+    DeepseekSparseSWAFlashMLABackend.get_builder_cls = staticmethod(
+        lambda: Dsv4CupySWAMetadataBuilder)
     return {"vllm.models.deepseek_v4.sparse_mla.DeepseekV4FlashMLABackend.get_builder_cls":
-            f"{__name__}.Dsv4CupyFlashMLAMetadataBuilder"}
+            f"{__name__}.Dsv4CupyFlashMLAMetadataBuilder",
+            "vllm.models.deepseek_v4.nvidia.flashmla.DeepseekSparseSWAFlashMLABackend"
+            ".get_builder_cls": f"{__name__}.Dsv4CupySWAMetadataBuilder"}
