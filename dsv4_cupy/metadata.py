@@ -74,6 +74,10 @@ class DeepseekV4Metadata:
     c128a_decode_topk_lens: Any = None
     c128a_prefill_topk_indices: Any = None
 
+    #: The fields a build writes (the others are the step's own arrays or counts).
+    RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
+               "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
+
     def to_torch(self) -> "DeepseekV4Metadata":
         """The same metadata with every array exported to torch through DLPack
         (zero-copy; torch tensors pass through)."""
@@ -95,7 +99,11 @@ class DeepseekV4StepMetadata:
     ``c128a.slot_mapping``. Indexer decode (``build_indexer_decode_metadata``
     over the decode requests): ``indexer_context_lens``, ``indexer_req_ids``,
     ``indexer_decode_lens`` ``[Td]``, ``indexer_block_rows [Td, cols]``,
-    ``indexer_per_req_decode_lens [D]`` (D the decode requests).
+    ``indexer_per_req_decode_lens [D]`` (D the decode requests). With
+    ``indexer_decode_layout="native"``: ``indexer_context_lens [D, depth]`` (or
+    ``[Td, 1]`` without speculative tokens), ``indexer_decode_lens`` and
+    ``indexer_per_req_decode_lens`` ``[D]``; the block rows are the indexer
+    group's table's first D rows, and there are no request ids.
     Indexer prefill (``build_indexer_prefill_chunk_metadata`` over all
     prefill requests as one chunk): ``indexer_cu_compressed [P + 1]``,
     ``indexer_token_to_seq [sum L // 4]``, ``indexer_cu_seqlen_ks``,
@@ -147,6 +155,16 @@ class DeepseekV4StepMetadata:
     def to_torch(self) -> "DeepseekV4StepMetadata":
         """The same metadata with every array exported to torch through DLPack (zero-copy)."""
         return exported_to_torch(self)
+
+    def arrays(self) -> tuple:
+        """The builder's arrays in the metadata (the C128A group's results
+        included, not the caller's arrays it holds), each once."""
+        found = {}
+        for value in (*vars(self).values(),
+                      *(getattr(self.c128a, name) for name in DeepseekV4Metadata.RESULTS)):
+            if value is not None and not isinstance(value, (int, list, DeepseekV4Metadata)):
+                found.setdefault(id(value), value)
+        return tuple(found.values())
 
 
 def exported_to_torch(metadata):

@@ -1,34 +1,28 @@
 """``DeepseekV4StepMetadataBuilder``: every KV-cache group's per-step metadata in one launch."""
 from __future__ import annotations
 
-import dataclasses
 
 from . import checks, keys
 from .combine import combined_width, prefill_combine_launches
 from .geometry import WARP_LANES
 from .group import MAX_CACHED_VIEWS, KVCacheGroup
-from .indexer_decode import indexer_decode_launch
-from .indexer_native_decode import native_decode_launch
 from .indexer_prefill import indexer_prefill_launch
 from .kinds import BOOL, GPU_KINDS, INT32, INT64, Operand, probe
 from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata
 from .params import QueryLayout, SlotGeometry
 from .prefill_gather import gather_lens_launch
 from .prepared import PreparedCall, PreparedCalls
-from .scalars import check_choice, check_int
+from .scalars import check_int
 from .short_context import short_context_launch
 from .slot_mapping import slot_mapping_launch
 from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
+from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
 from .step_plan import (GROUPS, LAYOUT_SECTIONS, StepLayout, StepPlan, check_group_data,
                         check_group_metadata, check_groups, prefill_plans)
 from .swa import swa_launch
 
-#: The C128A group's results (its other fields are the caller's arrays).
-INDEXER_DECODE_LAYOUTS = ("flat", "native")
-_C128A_RESULTS = ("req_id_per_token", "slot_mapping", "c128a_global_decode_topk_indices",
-                  "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
 class DeepseekV4StepMetadataBuilder:
     """Builds every KV-cache group's metadata of a DeepSeek-V4 step: on the GPU
     one kernel launch per ``build`` (``kernels/step.cuh``), on the CPU the single
@@ -73,13 +67,10 @@ class DeepseekV4StepMetadataBuilder:
         Length of the indexer's ``token_to_seq`` buffer (default
         ``40 * max_model_len // 4``, vLLM's workspace).
     indexer_decode_layout : "flat" or "native"
-        The indexer's decode metadata: per token (``build_indexer_decode_metadata``:
-        vLLM's layout on sm_100 and its flattening on sm_90), or per request
-        and query position (``build_indexer_native_decode_metadata``: vLLM's
-        native layout, sm_90's default, ``[decode requests, the step's longest
-        decode query]``, or ``[decode tokens, 1]`` without speculative tokens).
-        vLLM flattens a step whose depth DeepGEMM has no native kernel for
-        (3 or more than 4 on sm_90); choose the layout the consumer takes.
+        The indexer's decode metadata per token (``build_indexer_decode_metadata``:
+        sm_100's layout, sm_90's flattening) or vLLM's native ``[B, next_n]``
+        (``build_indexer_native_decode_metadata``, sm_90's default for the
+        depths DeepGEMM has: 1, 2, 4); the one the consumer takes.
     like, device
         As for ``DeepseekV4MetadataBuilder``.
     validate : "default" or "full"
@@ -121,9 +112,6 @@ class DeepseekV4StepMetadataBuilder:
         self.index_topk = group.topk_tokens
         self.c4a_block_size = check_int("block_size", block_size, minimum=C4A_RATIO) // C4A_RATIO
         self.combined_prefill = bool(combined_prefill)
-        self.indexer_decode_layout = check_choice("indexer_decode_layout", indexer_decode_layout,
-                                                  INDEXER_DECODE_LAYOUTS)
-        self.next_n = 1 + check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         self.prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, minimum=1)
         self.max_num_compressed = check_int(
             "max_num_compressed", 40 * self.max_model_len // C4A_RATIO
@@ -142,6 +130,11 @@ class DeepseekV4StepMetadataBuilder:
                                        buffer((n,), INT32, 0),
                                        buffer((n, self.max_blocks), INT32, 0),
                                        buffer((n,), INT32, 0))
+        self._indexer_decode = IndexerDecode(
+            indexer_decode_layout,
+            1 + check_int("num_speculative_tokens", num_speculative_tokens, minimum=0),
+            self.indexer_decode_buffers, n)
+        self.indexer_decode_layout = self._indexer_decode.layout
         self.indexer_prefill_buffers = (buffer((n + 1,), INT32, 0),
                                         buffer((self.max_num_compressed,), INT32, -1),
                                         buffer((n,), INT32, 0), buffer((n,), INT32, 0))
@@ -372,7 +365,7 @@ class DeepseekV4StepMetadataBuilder:
             prepared = tuple(launch.prepare(self.device) for launch in launches)
         call = PreparedCall(tuple(launch for launch in prepared if launch.blocks), self.kind,
                             self.device, metadata,
-                            owned=_arrays_of(metadata) if key is not None else ())
+                            owned=metadata.arrays() if key is not None else ())
         if not call.run():
             raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
                                "during the build")
@@ -390,7 +383,7 @@ class DeepseekV4StepMetadataBuilder:
         qsl, seq = ops["query_start_loc"], ops["seq_lens"]
         on_gpu = self.kind in GPU_KINDS
         device = self.device if on_gpu else -1
-        T, W, nd = plan.num_tokens, self.window_size, split.num_decode_tokens
+        T, W = plan.num_tokens, self.window_size
         num_decodes, num_prefills = split.num_decodes, split.num_prefills
         op = self._op
         sections = dict(layout_sections)
@@ -416,17 +409,8 @@ class DeepseekV4StepMetadataBuilder:
             sections.pop("short_context", None)
         sections.update(group.split_sections(plan.arrays, split, plan.width, plan.c128a_tokens,
                                              plan.valid_tokens))
-        decode_query = QueryLayout(qsl, seq, num_decodes)
-        if self.indexer_decode_layout == "native":
-            rows, columns = self._native_decode_shape(plan)
-            context, _, decode_lens, _, _ = self.indexer_decode_buffers
-            sections["indexer_native_decode"] = native_decode_launch(
-                decode_query, checks.as_rows(op(context), rows, columns), op(decode_lens), rows,
-                columns, C4A_RATIO)
-        else:
-            sections["indexer_decode"] = indexer_decode_launch(
-                decode_query, plan.tables["indexer"], *map(op, self.indexer_decode_buffers), nd,
-                C4A_RATIO)
+        name, section = self._indexer_decode.section(plan, op)
+        sections[name] = section
         extra = []
         if num_prefills:
             sections["gather"] = gather_lens_launch(QueryLayout(qsl, seq, cm.num_reqs),
@@ -452,23 +436,6 @@ class DeepseekV4StepMetadataBuilder:
                             checks.rows_of(op(self.is_valid_token_buffer), 0, T)),
                 *(step_launch(variant, {name: piece}) for name, piece in extra)]
 
-    def _native_decode_shape(self, plan: StepPlan) -> tuple[int, int]:
-        """(rows, columns) of the native decode lengths: vLLM's ``[decode
-        requests, the longest decode query]``, ``[decode tokens, 1]`` at next_n 1."""
-        split = plan.split
-        if self.next_n == 1:
-            return split.num_decode_tokens, 1
-        if not split.num_prefills:              # decodes only: max_query_len is the longest
-            columns = max(plan.cms["c128a"].max_query_len, 1)
-        else:
-            decode_qsl = plan.arrays.host_query_start_loc[:split.num_decodes + 1]
-            columns = max(int((decode_qsl[1:] - decode_qsl[:-1]).max(initial=1)), 1)
-        if split.num_decodes * columns > self.max_num_batched_tokens:
-            raise ValueError(f"num_reqs: expected the native indexer decode lengths, "
-                             f"{split.num_decodes} decode requests x {columns} positions, to fit "
-                             f"max_num_batched_tokens = {self.max_num_batched_tokens}")
-        return split.num_decodes, columns
-
     def _metadata(self, plan: StepPlan) -> DeepseekV4StepMetadata:
         cm, split = plan.cms["c128a"], plan.split
         num_decodes, num_prefills, nd, np_tokens = split
@@ -478,9 +445,7 @@ class DeepseekV4StepMetadataBuilder:
         if self.combined_prefill:
             c128a.c128a_prefill_topk_indices = None
         swa_rows, swa_lens = self.swa_indices_buffer, self.swa_lens_buffer
-        context, req_ids, decode_lens, block_rows, per_req = self.indexer_decode_buffers
         cu, token_to_seq, ks, ke = self.indexer_prefill_buffers
-        cols = plan.tables["indexer"].shape[1]
         out = DeepseekV4StepMetadata(
             num_reqs=cm.num_reqs, num_actual_tokens=T, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, num_decodes=num_decodes, num_prefills=num_prefills,
@@ -491,17 +456,7 @@ class DeepseekV4StepMetadataBuilder:
             indexer_slot_mapping=view(self.indexer_slot_mapping_buffer, 0, T), c128a=c128a)
         if nd:
             out.swa_decode_indices, out.swa_decode_lens = view(swa_rows, 0, nd), view(swa_lens, 0, nd)
-        if nd and self.indexer_decode_layout == "native":
-            rows, columns = self._native_decode_shape(plan)
-            out.indexer_context_lens = view(context, 0, rows * columns, row_length=columns)
-            out.indexer_decode_lens = out.indexer_per_req_decode_lens = view(decode_lens, 0,
-                                                                             num_decodes)
-            out.indexer_block_rows = plan.cms["indexer"].block_table_tensor[:num_decodes]
-        elif nd:
-            out.indexer_context_lens, out.indexer_req_ids = view(context, 0, nd), view(req_ids, 0, nd)
-            out.indexer_decode_lens = view(decode_lens, 0, nd)
-            out.indexer_block_rows = view(block_rows, 0, nd, cols)
-            out.indexer_per_req_decode_lens = view(per_req, 0, num_decodes)
+        self._indexer_decode.views(plan, view, out)
         if np_tokens:
             out.swa_prefill_indices = view(swa_rows, nd, nd + np_tokens)
             out.swa_prefill_lens = view(swa_lens, nd, nd + np_tokens)
@@ -525,19 +480,6 @@ class DeepseekV4StepMetadataBuilder:
         if plan.short_context:
             out.c4a_short_context_topk_indices = view(self.short_context_buffer, 0, T)
         return out
-
-
-def _arrays_of(metadata: DeepseekV4StepMetadata) -> tuple:
-    """The arrays a build returns, each once (a prepared build watches them for
-    in-place changes)."""
-    found = {}
-    values = [getattr(metadata, field.name) for field in dataclasses.fields(metadata)
-              if field.name != "c128a"]
-    values += [getattr(metadata.c128a, name) for name in _C128A_RESULTS]
-    for value in values:
-        if value is not None and not isinstance(value, (int, list)):
-            found.setdefault(id(value), value)
-    return tuple(found.values())
 
 
 __all__ = ["DeepseekV4StepMetadataBuilder", "DeepseekV4StepMetadata", "GROUPS"]

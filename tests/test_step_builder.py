@@ -59,10 +59,10 @@ def composition(cms, builder):
     if nd and builder.indexer_decode_layout == "native":
         depth = int(np.diff(host_qsl[:nr + 1]).max())
         lens, decode_lens = d4.build_indexer_native_decode_metadata(
-            qsl[:nr + 1], seq, *((1, 4, nd) if builder.next_n == 1 else (depth, 4)))
+            qsl[:nr + 1], seq,
+            *((1, 4, nd) if builder.c128a_group.decode_threshold == 1 else (depth, 4)))
         out.update(indexer_context_lens=lens, indexer_decode_lens=decode_lens,
-                   indexer_per_req_decode_lens=decode_lens,
-                   indexer_block_rows=cms["indexer"].block_table_tensor[:nr])
+                   indexer_per_req_decode_lens=decode_lens)
     elif nd:
         (out["indexer_context_lens"], out["indexer_req_ids"], out["indexer_decode_lens"],
          out["indexer_block_rows"], out["indexer_per_req_decode_lens"]) = \
@@ -176,7 +176,7 @@ def test_the_native_indexer_decode_layout_equals_its_op(kind, spec, monkeypatch)
         got = builder.build(0, cms)
         if kind in GPU_KINDS:
             assert len(launches) == 1
-        assert got.indexer_req_ids is None
+        assert got.indexer_req_ids is None and got.indexer_block_rows is None
         if got.num_decode_tokens:
             rows = got.num_decodes if spec else got.num_decode_tokens
             assert to_numpy(got.indexer_context_lens).shape[0] == rows
