@@ -3,23 +3,30 @@ where vLLM is installed, skipped elsewhere). vLLM's own builders are the
 reference, their Triton kernels run on CPU tensors in the interpreter; the
 plugin's builders run the library's numba path. Every field of every build is
 compared on random batches of 1-token and MTP decodes, prefills, graph
-padding, zero-length requests and no request at all."""
+padding, zero-length requests and no request at all.
+
+With vLLM installed, importing this module points vLLM and Triton at the CPU
+for the whole process (CUDA_VISIBLE_DEVICES=""): run the tier as its own
+pytest invocation (the README's command)."""
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import os
 import tempfile
 
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (the vllm tier)", allow_module_level=True)
 for _name, _value in {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
                       "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}.items():
     os.environ.setdefault(_name, _value)
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the vllm tier)")
-torch = pytest.importorskip("torch")
+import vllm  # noqa: E402,F401
+import torch  # noqa: E402
 
 from vllm.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,  # noqa: E402,F401
                          VllmConfig, set_current_vllm_config)
