@@ -16,7 +16,9 @@ SMALL = {"swa": [dict(decodes=6, query_len=2), dict(decodes=0, prefill=40)],
                      dict(tokens=20, topk=0)],
          "c4a_layer": [dict(decodes=4, prefill=30)], "c128a_combined": [dict(tokens=20, topk=256)],
          "gather_lens": [dict(prefills=5)], "indexer_prefill": [dict(tokens=30)],
-         "indexer_decode": [dict(tokens=9)]}
+         "indexer_decode": [dict(tokens=9)], "indexer_native": [dict(decodes=5, depth=3)],
+         "swa_image": [dict(prefill=200, images=True), dict(prefill=200, images=False)],
+         "image_visibility": [dict(prefill=200)]}
 
 
 def test_cpu_only_bench_runs(tmp_path):
@@ -31,6 +33,7 @@ def test_every_layer_case_prepares_and_runs_on_small_shapes(monkeypatch):
     torch = pytest.importorskip("torch")
     import numpy as np
     monkeypatch.setattr(layers, "MAX_MODEL_LEN", 1 << 14)
+    monkeypatch.setattr(layers, "MAX_IMAGE_TOKENS", 8)
     assert {op for op, _, _ in layers.layer_cases(False)} == set(SMALL)
     rng = np.random.default_rng(0)
     for op, cases in SMALL.items():

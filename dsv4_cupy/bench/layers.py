@@ -21,6 +21,8 @@ from ..spec import SWA_WINDOW_SIZE as WINDOW
 from . import latency
 
 MAX_MODEL_LEN = 1 << 20
+#: A vision prompt's image at most (vLLM's vision_max_n_token default).
+MAX_IMAGE_TOKENS = 1024
 INDEX_TOPK = INDEX_TOPKS[0]
 C128A_RATIO, C128A_WIDTH = 128, 8192
 
@@ -53,7 +55,11 @@ def layer_cases(quick: bool) -> list[tuple[str, str, dict]]:
              ("c128a_combined", "8192 C=8320", dict(tokens=8192, topk=C128A_WIDTH)),
              ("gather_lens", "256 prefills", dict(prefills=256)),
              ("indexer_prefill", "8192 queries", dict(tokens=8192)),
-             ("indexer_decode", "512 tokens", dict(tokens=512))]
+             ("indexer_decode", "512 tokens", dict(tokens=512)),
+             ("indexer_native", "decode 256x4", dict(decodes=256, depth=4)),
+             ("swa_image", "prefill 8192, images", dict(prefill=8192, images=True)),
+             ("swa_image", "prefill 8192, replay", dict(prefill=8192, images=False)),
+             ("image_visibility", "8192 tokens", dict(prefill=8192))]
     if not quick:
         cases += [("swa", "decode 1024x4", dict(decodes=1024, query_len=4)),
                   ("global_topk", "decode 1024 K=1024", dict(tokens=1024, width=1024)),
@@ -201,6 +207,52 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
         return (lambda: d4.build_indexer_decode_metadata(qsl, seq, table, tokens, C4A_RATIO,
                                                          out=outs),
                 None, outs, None, tokens * (3 + cols) * 4 / 1e6)
+    if op == "indexer_native":          # against vLLM's torch ops for the native layout
+        decodes, depth = params["decodes"], params["depth"]
+        qsl, seq, _, _ = (cuda(x) for x in _requests(rng, [depth] * decodes))
+        ours_out = (empty(decodes, depth), empty(decodes))
+        port_out = (empty(decodes * depth), empty(decodes))
+        offsets = torch.arange(depth, dtype=torch.int32, device=dev)
+        return (lambda: d4.build_indexer_native_decode_metadata(qsl, seq, depth, C4A_RATIO,
+                                                                out=ours_out),
+                ports and (lambda: ports.native_decode_lengths(*port_out, offsets, qsl, seq,
+                                                               decodes, depth, C4A_RATIO)),
+                (ours_out[0].reshape(-1), ours_out[1]), port_out, decodes * (depth + 1) * 4 / 1e6)
+    if op in ("swa_image", "image_visibility"):   # a vision prompt: images in one prefill
+        rows = params["prefill"]
+        qsl, seq, token_to_req, _ = _requests(rng, [rows])
+        first = int(seq[0]) - rows
+        starts = np.sort(rng.choice(np.arange(first, first + rows - MAX_IMAGE_TOKENS),
+                                    16, replace=False))
+        starts = starts[np.concatenate([[True], np.diff(starts) > MAX_IMAGE_TOKENS])]
+        ends = starts + rng.integers(MAX_IMAGE_TOKENS // 16 + 1, MAX_IMAGE_TOKENS, starts.size)
+        indptr = np.array([0, starts.size], np.int32)
+        spans = [cuda(x.astype(np.int32)) for x in (indptr, starts, ends)]
+        qsl, seq, token_to_req = cuda(qsl), cuda(seq), cuda(token_to_req)
+        if op == "image_visibility":
+            ours_out, port_out = (empty(rows), empty(rows)), (empty(rows), empty(rows))
+            args = (qsl, seq, token_to_req, MAX_IMAGE_TOKENS, 0, rows)
+            return (lambda: d4.compute_image_visibility(*spans, *args, out=ours_out),
+                    ports and (lambda: ports.image_visibility(*port_out, *spans, *args)),
+                    ours_out, port_out, rows * 8 / 1e6)
+        left, right = d4.compute_image_visibility(*spans, qsl, seq, token_to_req,
+                                                  MAX_IMAGE_TOKENS)
+        if not params["images"]:
+            left = right = None
+        replay = cuda(np.array([first - int(rng.integers(0, WINDOW))], np.int32))
+        valid = torch.ones(rows, dtype=torch.bool, device=dev)
+        table = cuda(rng.integers(0, 1 << 22, (1, MAX_MODEL_LEN // SWA_BLOCK), dtype=np.int32))
+        width = WINDOW + MAX_IMAGE_TOKENS
+        ours_out = (empty(rows, 1, width), empty(rows))
+        port_out = (empty(rows, width), empty(rows))
+        return (lambda: d4.compute_swa_indices_and_lens(
+                    WINDOW, qsl, seq, token_to_req, valid, table, SWA_BLOCK, 0, rows,
+                    index_width=width, left_visible=left, right_visible=right,
+                    replay_start=replay, out=ours_out),
+                ports and (lambda: ports.swa_extended_rows(
+                    *port_out, WINDOW, width, left, right, qsl, seq, token_to_req, valid, table,
+                    SWA_BLOCK, replay, 0, rows)),
+                (ours_out[0][:, 0], ours_out[1]), port_out, rows * (width + 1) * 4 / 1e6)
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -9,6 +9,7 @@ installed (GPU machines): the benchmark does so lazily.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -103,6 +104,97 @@ def _combine_kernel(out_ptr, lens_ptr, out_stride, topk_ptr, topk_stride, qsl_pt
             tl.store(out_ptr + t.to(tl.int64) * out_stride + c,
                      tl.where(in_topk, local, window), mask=c < WIDTH)
         tl.store(lens_ptr + t, topk_len + swa_len)
+
+
+@triton.jit
+def _swa_extended_kernel(indices_ptr, lens_ptr, indices_stride, left_ptr, right_ptr, qsl_ptr,
+                         seq_ptr, t2r_ptr, valid_ptr, table_ptr, table_stride, replay_ptr,
+                         token_offset, WINDOW: tl.constexpr, INDEX_WIDTH: tl.constexpr,
+                         PADDED_WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HAS_IMAGE: tl.constexpr):
+    # vLLM 0.34's rows: index_width columns, image visibility, the request's replay start.
+    i = tl.program_id(0)
+    t = i + token_offset
+    k = tl.arange(0, PADDED_WIDTH)
+    row = indices_ptr + i.to(tl.int64) * indices_stride + k
+    if tl.load(valid_ptr + t).to(tl.int32) == 0:
+        tl.store(lens_ptr + i, 0)
+        tl.store(row, -1, mask=k < INDEX_WIDTH)
+    else:
+        b = tl.load(t2r_ptr + t)
+        qs = tl.load(qsl_ptr + b)
+        position = tl.load(seq_ptr + b) - (tl.load(qsl_ptr + b + 1) - qs) + (t - qs)
+        left = 0
+        right = 0
+        if HAS_IMAGE:
+            left = tl.load(left_ptr + t)
+            right = tl.load(right_ptr + t)
+        start = tl.maximum(position - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
+        start = tl.maximum(start, tl.load(replay_ptr + b))
+        count = position + right + 1 - start
+        tl.store(lens_ptr + i, count)
+        at = start + k
+        inside = k < count
+        block = tl.load(table_ptr + b.to(tl.int64) * table_stride + at // BLOCK_SIZE,
+                        mask=inside, other=0)
+        tl.store(row, tl.where(inside, block * BLOCK_SIZE + at % BLOCK_SIZE, -1),
+                 mask=k < INDEX_WIDTH)
+
+
+@triton.jit
+def _image_visibility_kernel(left_ptr, right_ptr, indptr_ptr, starts_ptr, ends_ptr, qsl_ptr,
+                             seq_ptr, t2r_ptr, max_image_tokens, token_offset):
+    # vLLM 0.34's visibility of a prefill token: the last span holding its position wins.
+    t = tl.program_id(0) + token_offset
+    b = tl.load(t2r_ptr + t)
+    qs = tl.load(qsl_ptr + b)
+    position = tl.load(seq_ptr + b) - (tl.load(qsl_ptr + b + 1) - qs) + (t - qs)
+    left = 0
+    right = 0
+    for i in range(tl.load(indptr_ptr + b), tl.load(indptr_ptr + b + 1)):
+        start = tl.load(starts_ptr + i)
+        end = tl.load(ends_ptr + i)
+        inside = (start <= position) & (position <= end)
+        left = tl.where(inside, tl.minimum(position - start, max_image_tokens - 1), left)
+        right = tl.where(inside, tl.minimum(end - position, max_image_tokens), right)
+    tl.store(left_ptr + t, left)
+    tl.store(right_ptr + t, right)
+
+
+def swa_extended_rows(indices, lens, window_size, index_width, left, right, query_start_loc,
+                      seq_lens, token_to_req_indices, is_valid_token, block_table, block_size,
+                      replay_start, token_offset, num_rows):
+    """vLLM 0.34's SWA rows of ``num_rows`` tokens from ``token_offset`` (``left``/
+    ``right`` None: no images)."""
+    if num_rows:
+        has_image = left is not None
+        _swa_extended_kernel[(num_rows,)](
+            indices, lens, indices.stride(0), left if has_image else lens,
+            right if has_image else lens, query_start_loc, seq_lens, token_to_req_indices,
+            is_valid_token, block_table, block_table.stride(0), replay_start, token_offset,
+            WINDOW=window_size, INDEX_WIDTH=index_width,
+            PADDED_WIDTH=triton.next_power_of_2(index_width), BLOCK_SIZE=block_size,
+            HAS_IMAGE=has_image)
+
+
+def image_visibility(left, right, span_indptr, span_starts, span_ends, query_start_loc,
+                     seq_lens, token_to_req_indices, max_image_tokens, token_offset, num_rows):
+    if num_rows:
+        _image_visibility_kernel[(num_rows,)](
+            left, right, span_indptr, span_starts, span_ends, query_start_loc, seq_lens,
+            token_to_req_indices, max_image_tokens, token_offset)
+
+
+def native_decode_lengths(seq_lens_out, decode_lens, offsets, query_start_loc, seq_lens,
+                          num_decodes, max_decode_len, compress_ratio):
+    """vLLM 0.34's native [B, next_n] lengths, its torch ops: the clamp into the
+    persistent buffer's view, the in-place division, the per-request lengths."""
+    view = seq_lens_out[:num_decodes * max_decode_len].view(num_decodes, max_decode_len)
+    torch.clamp(seq_lens[:num_decodes, None] - max_decode_len + 1 + offsets[:max_decode_len],
+                min=0, out=view)
+    view.floor_divide_(compress_ratio)
+    torch.sub(query_start_loc[1:num_decodes + 1], query_start_loc[:num_decodes],
+              out=decode_lens[:num_decodes])
 
 
 def swa_indices_and_lens(indices, lens, window_size, query_start_loc, seq_lens,
