@@ -84,4 +84,19 @@ __device__ __forceinline__ bool cache_slot(unsigned char* cache, i64 page_stride
     return true;
 }
 
+// body(t, at, lane) for each token t of a cache insert p (its slot_mapping,
+// cache, page_stride, num_pages, block_size, num_tokens) whose slot lies in
+// the cache, at: the slot's place; a warp per token, lane its thread.
+template <typename SlotT, typename Params, typename Body>
+__device__ __forceinline__ void for_each_slotted_token(const Params& p, const Blocks& blocks,
+                                                       const Body& body) {
+    const SlotT* __restrict__ slots = static_cast<const SlotT*>(p.slot_mapping);
+    const WarpRows rows(blocks);
+    for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
+        CacheSlot at;
+        if (cache_slot(p.cache, p.page_stride, p.num_pages, p.block_size, (i64)slots[t], at))
+            body(t, at, rows.lane);
+    }
+}
+
 }  // namespace dsv4

@@ -47,13 +47,8 @@ enum IndexerScale : int { kScaleFloat32 = 0, kScalePowerOfTwo = 1, kScaleUe8m0By
 template <typename SlotT>
 __device__ __forceinline__ void indexer_k_quant_and_cache(const IndexerInsertParams& p,
                                                           const Blocks& blocks = whole_grid()) {
-    const SlotT* __restrict__ slots = static_cast<const SlotT*>(p.slot_mapping);
-    const WarpRows rows(blocks);
-    for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
-        CacheSlot at;
-        if (!cache_slot(p.cache, p.page_stride, p.num_pages, p.block_size, (i64)slots[t], at))
-            continue;
-        const uint2 pair = reinterpret_cast<const uint2*>(p.k + t * p.k_stride)[rows.lane];
+    for_each_slotted_token<SlotT>(p, blocks, [&](i64 t, const CacheSlot& at, int lane) {
+        const uint2 pair = reinterpret_cast<const uint2*>(p.k + t * p.k_stride)[lane];
         const unsigned short bits[4] = {(unsigned short)pair.x, (unsigned short)(pair.x >> 16),
                                         (unsigned short)pair.y, (unsigned short)(pair.y >> 16)};
         unsigned lane_max = 0;
@@ -77,13 +72,13 @@ __device__ __forceinline__ void indexer_k_quant_and_cache(const IndexerInsertPar
             const float v = bf16_value(bits[d]) / scale;
             packed |= (unsigned)(v != v ? kE4m3Nan : e4m3_bits(v)) << (8 * d);
         }
-        reinterpret_cast<unsigned*>(at.page + at.row * DSV4_INDEXER_DIM)[rows.lane] = packed;
-        if (rows.lane == 0) {
+        reinterpret_cast<unsigned*>(at.page + at.row * DSV4_INDEXER_DIM)[lane] = packed;
+        if (lane == 0) {
             const unsigned scale_bits = __float_as_uint(scale);
             *reinterpret_cast<unsigned*>(at.page + p.block_size * DSV4_INDEXER_DIM + at.row * 4) =
                 p.scale_format == kScaleUe8m0Bytes ? ((scale_bits >> 23) & 0xFFu) * 0x01010101u : scale_bits;
         }
-    }
+    });
 }
 
 __device__ __forceinline__ void cp_gather_indexer_k_quant_cache(const IndexerGatherParams& p,

@@ -39,19 +39,14 @@ __device__ __forceinline__ void quantize_and_insert_k_cache(const KCacheInsertPa
                                                             const Blocks& blocks = whole_grid()) {
     static_assert(DSV4_QUANT_TILE == 2 * DSV4_WARP_LANES && DSV4_ROPE_DIM == 2 * DSV4_WARP_LANES,
                   "two dims of a tile, and of the RoPE part, per lane");
-    const SlotT* __restrict__ slots = static_cast<const SlotT*>(p.slot_mapping);
-    const WarpRows rows(blocks);
-    for (i64 t = rows.first; t < p.num_tokens; t += rows.step) {
-        CacheSlot at;
-        if (!cache_slot(p.cache, p.page_stride, p.num_pages, p.block_size, (i64)slots[t], at))
-            continue;
+    for_each_slotted_token<SlotT>(p, blocks, [&](i64 t, const CacheSlot& at, int lane) {
         unsigned char* __restrict__ record = at.page + at.row * DSV4_FP8_RECORD;
         const unsigned* __restrict__ row = reinterpret_cast<const unsigned*>(p.k + t * p.k_stride);
         // Every load of the row first: the stores below cannot hold them up.
         unsigned pairs[kNopeTiles];
 #pragma unroll
-        for (int j = 0; j < kNopeTiles; ++j) pairs[j] = row[(j * DSV4_QUANT_TILE) / 2 + rows.lane];
-        const unsigned rope = row[DSV4_NOPE_DIM / 2 + rows.lane];
+        for (int j = 0; j < kNopeTiles; ++j) pairs[j] = row[(j * DSV4_QUANT_TILE) / 2 + lane];
+        const unsigned rope = row[DSV4_NOPE_DIM / 2 + lane];
         unsigned long long scales = 0;                                // 7 bytes, then the pad byte 0
 #pragma unroll
         for (int j = 0; j < kNopeTiles; ++j) {
@@ -66,14 +61,14 @@ __device__ __forceinline__ void quantize_and_insert_k_cache(const KCacheInsertPa
             scales |= (unsigned long long)byte << (8 * j);
             const unsigned short out = (unsigned short)(quantized(lo, e, nonfinite)
                                                          | (quantized(hi, e, nonfinite) << 8));
-            reinterpret_cast<unsigned short*>(record + j * DSV4_QUANT_TILE)[rows.lane] = out;
+            reinterpret_cast<unsigned short*>(record + j * DSV4_QUANT_TILE)[lane] = out;
         }
         // The RoPE dims, copied as they are.
-        reinterpret_cast<unsigned*>(record + DSV4_NOPE_DIM)[rows.lane] = rope;
-        if (rows.lane == 0)
+        reinterpret_cast<unsigned*>(record + DSV4_NOPE_DIM)[lane] = rope;
+        if (lane == 0)
             *reinterpret_cast<unsigned long long*>(at.page + p.block_size * DSV4_FP8_RECORD
                                                    + at.row * DSV4_SCALE_RECORD) = scales;
-    }
+    });
 }
 
 }  // namespace dsv4

@@ -265,30 +265,11 @@ def swa_indices_and_lens(window_size: int, qsl: list[int], seq_lens: list[int],
     whose column is past the row's length and every later one are -1 and not counted;
     slot = wrap_i32(bt[b][col] * bs + (s+k) % bs). Returns (rows [num_rows][W], lens).
     """
-    W, bs = window_size, block_size
     if num_rows is None:
         num_rows = len(token_to_req) - token_offset
-    R = len(qsl) - 1
-    rows, lens = [], []
-    for i in range(num_rows):
-        t = i + token_offset
-        row = [PAD_ID] * W
-        length = 0
-        b = token_to_req[t]
-        if is_valid_token[t] and 0 <= b < len(block_table) and b < len(seq_lens) and b < R:
-            q = qsl[b + 1] - qsl[b]
-            p = (seq_lens[b] - q) + (t - qsl[b])
-            if p >= 0:
-                s = max(p - W + 1, 0)
-                for k in range(min(p + 1, W)):
-                    col = (s + k) // bs
-                    if col >= len(block_table[b]):
-                        break                        # this and all later entries: -1
-                    row[k] = wrap_i32(block_table[b][col] * bs + (s + k) % bs)
-                    length += 1
-        rows.append(row)
-        lens.append(length)
-    return rows, lens
+    return swa_indices_and_lens_034(window_size, window_size, qsl, seq_lens, token_to_req,
+                                    is_valid_token, block_table, block_size, token_offset,
+                                    num_rows)
 
 
 def swa_indices_and_lens_034(window_size: int, index_width: int, qsl: list[int],
