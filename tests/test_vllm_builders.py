@@ -211,3 +211,58 @@ def test_the_runner_builds_the_patched_class(config, monkeypatch):
             group.create_metadata_builders(vllm_config, torch.device("cpu"),
                                            kernel_block_size=block)
         assert type(group.metadata_builders[0]) is cls
+
+
+# --- the per-layer ops, as vLLM's NVIDIA attention calls them ------------------------------
+def test_the_ops_equal_vllms(monkeypatch):
+    import vllm.models.deepseek_v4.attention as attention
+    import vllm.models.deepseek_v4.nvidia.flashmla as flashmla
+    from vllm.models.deepseek_v4.common.ops import (combine_topk_swa_indices,
+                                                    compute_global_topk_indices_and_lens)
+
+    from dsv4_cupy.vllm import ops
+    for module, name in ((flashmla, "compute_global_topk_indices_and_lens"),
+                         (flashmla, "combine_topk_swa_indices"),
+                         (attention, "fill_short_context_topk_indices")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    theirs_fill = attention.fill_short_context_topk_indices
+    ops.install()
+    rng = np.random.default_rng(11)
+    # C4A decode rows: local top-k (with -1 holes) to global slots, padding tokens length 0
+    topk = torch.from_numpy(rng.integers(-1, 300, (12, 64)).astype(np.int32))
+    t2r = torch.from_numpy(rng.integers(0, 3, 12).astype(np.int32))
+    table = torch.from_numpy(rng.integers(0, 1000, (3, 8)).astype(np.int32))
+    valid = torch.from_numpy(rng.random(12) < 0.8)
+    want = compute_global_topk_indices_and_lens(topk, t2r, table, 64, valid)
+    got = flashmla.compute_global_topk_indices_and_lens(topk, t2r, table, 64, valid)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0][valid], want[0][valid])
+    assert (got[0][~valid] == -1).all()        # padding rows: the README's "Differences"
+    # a prefill chunk's combined rows, top-k entries inside each request's compressed rows
+    qsl = torch.tensor([5, 25, 60], dtype=torch.int32)
+    seq = torch.tensor([300, 700], dtype=torch.int32)
+    gather = torch.tensor([20 + 127, 35 + 127], dtype=torch.int32)
+    positions = np.concatenate([np.arange(280, 300), np.arange(665, 700)])
+    local = np.stack([rng.integers(0, max((p + 1) // 4, 1), 16) for p in positions])
+    local = torch.from_numpy(local.astype(np.int32))
+    N = 700 // 4
+    M = N + 35 + 127
+    for images in (False, True):
+        visible = (torch.from_numpy(rng.integers(0, 8, 55).astype(np.int32)) if images else None,
+                   torch.from_numpy(rng.integers(0, 8, 55).astype(np.int32)) if images else None)
+        outs = [(torch.full((55, 256), -7, dtype=torch.int32), torch.empty(55, dtype=torch.int32))
+                for _ in range(2)]
+        args = (local, qsl, seq, gather, 128, 4, 16, M, N)
+        want = combine_topk_swa_indices(*args, out=outs[0], left_visible=visible[0],
+                                        right_visible=visible[1], max_image_tokens=8)
+        got = flashmla.combine_topk_swa_indices(*args, out=outs[1], left_visible=visible[0],
+                                                right_visible=visible[1], max_image_tokens=8)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), images
+    # the short-context fill, launched as attention.py launches it
+    fill_positions = torch.from_numpy(rng.integers(0, 3000, 9))
+    buffers = [torch.full((12, 512), -7, dtype=torch.int32) for _ in range(2)]
+    theirs_fill[(9,)](buffers[0], fill_positions, TOP_K=512, COMPRESS_RATIO=4, PADDED_TOP_K=512,
+                      num_warps=8)
+    attention.fill_short_context_topk_indices[(9,)](buffers[1], fill_positions, TOP_K=512,
+                                                    COMPRESS_RATIO=4, PADDED_TOP_K=512,
+                                                    num_warps=8)
+    assert torch.equal(buffers[0], buffers[1])

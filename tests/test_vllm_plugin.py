@@ -35,11 +35,14 @@ def stand_ins(monkeypatch):
     vllm.__version__ = "0.34.0"
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = Platform()
-    builders = types.ModuleType("dsv4_cupy.vllm.builders")
     installs = []
-    builders.install = lambda: installs.append(1) or {"Backend.get_builder_cls": "Ours"}
+    parts = {}
+    for part in plugin.INSTALLED_PARTS:
+        parts[part] = types.ModuleType(f"dsv4_cupy.vllm.{part}")
+        parts[part].install = (lambda part=part: installs.append(part)
+                               or {f"{part}.target": f"{part}.ours"})
     for name, module in (("vllm", vllm), ("vllm.platforms", platforms),
-                         ("dsv4_cupy.vllm.builders", builders)):
+                         *((f"dsv4_cupy.vllm.{part}", module) for part, module in parts.items())):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(plugin, "_patched", {})
     return types.SimpleNamespace(vllm=vllm, platforms=platforms, installs=installs)
@@ -60,9 +63,9 @@ def test_on_it_patches_once_and_says_what(stand_ins, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.dsv4_cupy"):
         plugin.register()
         plugin.register()                     # vLLM may load plugins twice
-    assert stand_ins.installs == [1]
-    assert plugin.patched() == {"Backend.get_builder_cls": "Ours"}
-    assert "dsv4_cupy: Backend.get_builder_cls -> Ours" in caplog.text
+    assert stand_ins.installs == list(plugin.INSTALLED_PARTS)
+    assert plugin.patched() == {"builders.target": "builders.ours", "ops.target": "ops.ours"}
+    assert "dsv4_cupy: builders.target -> builders.ours" in caplog.text
 
 
 @pytest.mark.parametrize("version", ["0.33.1", "0.35.0", "1.0.0"])

@@ -13,6 +13,7 @@ The core library never imports vLLM; this subpackage imports it only inside
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -22,6 +23,8 @@ ENABLE_VARIABLE = "DSV4_CUPY_VLLM"
 TESTED_VERSIONS = ("0.34",)
 #: CUDA compute-capability majors the library's kernels serve.
 SERVED_MAJORS = (9, 10)
+#: The submodules whose ``install()`` patches vLLM: its builders, its per-layer ops.
+INSTALLED_PARTS = ("builders", "ops")
 
 logger = logging.getLogger("vllm.dsv4_cupy")
 _patched: dict = {}
@@ -41,8 +44,8 @@ def register() -> None:
     if refusal:
         logger.warning("dsv4_cupy: %s; nothing patched", refusal)
         return
-    from .builders import install
-    _patched.update(install())
+    for part in INSTALLED_PARTS:
+        _patched.update(importlib.import_module(f"{__name__}.{part}").install())
     for target, replacement in _patched.items():
         logger.info("dsv4_cupy: %s -> %s", target, replacement)
 
