@@ -35,6 +35,9 @@ from vllm.models.deepseek_v4.attention import (DeepseekV4Attention,  # noqa: E40
                                                _resolve_dsv4_kv_cache_dtype)
 from vllm.models.deepseek_v4.nvidia.flashmla import (  # noqa: E402
     DeepseekSparseSWAFlashMLABackend, DeepseekSparseSWAFlashMLAMetadataBuilder)
+from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache  # noqa: E402
+from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
+    DeepseekV4IndexerBackend, DeepseekV32IndexerMetadataBuilder)
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache  # noqa: E402
 from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta  # noqa: E402
 from vllm.models.deepseek_v4.sparse_mla import (DeepseekV4FlashMLABackend,  # noqa: E402
@@ -44,7 +47,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 
 from dsv4_cupy.vllm.builders import (Dsv4CupyFlashMLAMetadataBuilder,  # noqa: E402
-                                     Dsv4CupySWAMetadataBuilder)
+                                     Dsv4CupyIndexerMetadataBuilder, Dsv4CupySWAMetadataBuilder)
 
 pytestmark = pytest.mark.vllm
 
@@ -81,18 +84,24 @@ def config():
             head_dim=hf.head_dim, window_size=hf.sliding_window, dtype=torch_dtype,
             prefix="model.layers.0.attn.swa_cache", cache_config=vllm_config.cache_config,
             backend_cls=DeepseekSparseSWAFlashMLABackend).get_kv_cache_spec(vllm_config)
+        specs["indexer"] = DeepseekV4IndexerCache(
+            head_dim=hf.index_head_dim + hf.index_head_dim // 128 * 4, dtype=torch.uint8,
+            prefix="model.layers.3.attn.indexer.k_cache", cache_config=vllm_config.cache_config,
+            compress_ratio=4).get_kv_cache_spec(vllm_config)
     return vllm_config, specs
 
 
 def builders(config, ratio):
     """vLLM's builder and the plugin's for the C4A (4), C128A (128) or SWA ("swa") group."""
     vllm_config, specs = config
-    theirs, ours = ((DeepseekSparseSWAFlashMLAMetadataBuilder, Dsv4CupySWAMetadataBuilder)
-                    if ratio == "swa" else
-                    (DeepseekV4FlashMLAMetadataBuilder, Dsv4CupyFlashMLAMetadataBuilder))
+    classes = {"swa": (DeepseekSparseSWAFlashMLAMetadataBuilder, Dsv4CupySWAMetadataBuilder),
+               "indexer": (DeepseekV32IndexerMetadataBuilder, Dsv4CupyIndexerMetadataBuilder)}
+    theirs, ours = classes.get(ratio, (DeepseekV4FlashMLAMetadataBuilder,
+                                       Dsv4CupyFlashMLAMetadataBuilder))
+    extra = {"block_table_width": -(-MAX_MODEL_LEN // BLOCK)} if ratio == "indexer" else {}
     with set_current_vllm_config(vllm_config):
-        return (theirs(specs[ratio], ["layer"], vllm_config, torch.device("cpu")),
-                ours(specs[ratio], ["layer"], vllm_config, torch.device("cpu")))
+        return (theirs(specs[ratio], ["layer"], vllm_config, torch.device("cpu"), **extra),
+                ours(specs[ratio], ["layer"], vllm_config, torch.device("cpu"), **extra))
 
 
 def random_batch(rng, decodes, decode_len, prefills, pad, zero_rows=0, block=BLOCK):
@@ -178,6 +187,80 @@ def test_the_swa_builder_equals_vllms(config, replay):
         assert_same(got, want)
 
 
+def assert_same_tree(ours, theirs, path="metadata"):
+    """Dataclasses field by field, lists item by item, tensors by value and shape;
+    DeepGEMM's schedule (vLLM's, an uninitialised buffer on CPU) is not compared."""
+    if path.endswith("schedule_metadata"):
+        return
+    if dataclasses.is_dataclass(theirs):
+        assert type(ours) is type(theirs), path
+        for field in dataclasses.fields(theirs):
+            assert_same_tree(getattr(ours, field.name), getattr(theirs, field.name),
+                             f"{path}.{field.name}")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), path
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same_tree(a, b, f"{path}[{i}]")
+    elif isinstance(theirs, torch.Tensor):
+        assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype), path
+        assert torch.equal(ours, theirs), path
+    else:
+        assert ours == theirs, path
+
+
+def test_the_indexer_builder_equals_vllms(config, monkeypatch):
+    """The plugin's indexer builder with the indexer module's functions patched as
+    install() patches them, against vLLM's builder with its own."""
+    import vllm.v1.attention.backends.mla.indexer as indexer
+
+    from dsv4_cupy.vllm import builders as plugin_builders
+    import dsv4_cupy
+    theirs, ours = builders(config, "indexer")
+    originals = {name: getattr(indexer, name) for name in ("get_compressed_slot_mapping",
+                                                           "build_prefill_chunk_metadata")}
+    library = {"get_compressed_slot_mapping": dsv4_cupy.get_compressed_slot_mapping,
+               "build_prefill_chunk_metadata": plugin_builders.build_prefill_chunk_metadata}
+    rng = np.random.default_rng(13)
+    for decodes, depth, prefills, pad, zero_rows in STEPS + [(2, 1, [100, 130, 5], 0, 0)]:
+        cm = random_batch(rng, decodes, depth, prefills, pad, zero_rows)
+        for name, function in originals.items():
+            monkeypatch.setattr(indexer, name, function)
+        want = theirs.build(0, copy.copy(cm))
+        for name, function in library.items():
+            monkeypatch.setattr(indexer, name, function)
+        got = ours.build(0, copy.copy(cm))
+        assert_same_tree(got, want)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_indexer_decode_lengths_equal_vllms(config, native):
+    """vLLM's producers of the decode lengths, called as its build calls them (a
+    builder configured for next_n 4: its offsets): the native [B, next_n]
+    lengths, and the flattening of uniform decodes and of mixed ones with graph
+    padding (torch varlen), within the expanded table's 8 rows."""
+    theirs, ours = builders(config, "indexer")
+    theirs.offsets_buffer = torch.arange(4, dtype=torch.int32)
+    rng = np.random.default_rng(17)
+    for decode_lens, padding in (([2, 2, 2], 0), ([3, 1, 2, 0], 2)):
+        cm = random_batch(rng, 0, 1, decode_lens, 0)
+        nd, ndt = len(decode_lens), sum(decode_lens) + padding
+        results = []
+        ours._step_query_start_loc = cm.query_start_loc      # as its build sets it
+        for builder in (theirs, ours):
+            builder.decode_lens_buffer[:nd] = torch.tensor(decode_lens, dtype=torch.int32)
+            builder.expanded_block_table_buffer.fill_(-7)
+            results.append(builder._prepare_decode_tensors(
+                cm.seq_lens[:nd], cm.block_table_tensor[:nd], builder.decode_lens_buffer[:nd],
+                torch.tensor(decode_lens, dtype=torch.int32), cm.query_start_loc[:nd], nd, ndt,
+                native, 4, max(decode_lens)))
+        (want_lens, want_rows, want_decode, want_n, want_pad), got = results
+        assert got[3] == want_n and got[4] == want_pad
+        assert torch.equal(got[0], want_lens) and torch.equal(got[2], want_decode)
+        real = sum(decode_lens)                 # padding rows: only column 0 is vLLM's
+        assert torch.equal(got[1][:real], want_rows[:real])
+        assert torch.equal(got[1][real:, 0], want_rows[real:, 0])
+
+
 def test_a_capture_batch_gets_the_capacity_width(config):
     theirs, ours = builders(config, 128)
     cm = random_batch(np.random.default_rng(3), 4, 1, [], 0)
@@ -203,9 +286,15 @@ def test_the_runner_builds_the_patched_class(config, monkeypatch):
     monkeypatch.setattr(DeepseekSparseSWAFlashMLABackend, "get_builder_cls",
                         DeepseekSparseSWAFlashMLABackend.get_builder_cls)
     plugin_builders.install()
+    monkeypatch.setattr(DeepseekV4IndexerBackend, "get_builder_cls",
+                        DeepseekV4IndexerBackend.get_builder_cls)
+    import vllm.v1.attention.backends.mla.indexer as indexer
+    for name in ("get_compressed_slot_mapping", "build_prefill_chunk_metadata"):
+        monkeypatch.setattr(indexer, name, getattr(indexer, name))
     for backend, spec, block, cls in (
             (DeepseekV4FlashMLABackend, specs[128], BLOCK, Dsv4CupyFlashMLAMetadataBuilder),
-            (DeepseekSparseSWAFlashMLABackend, specs["swa"], 64, Dsv4CupySWAMetadataBuilder)):
+            (DeepseekSparseSWAFlashMLABackend, specs["swa"], 64, Dsv4CupySWAMetadataBuilder),
+            (DeepseekV4IndexerBackend, specs["indexer"], BLOCK, Dsv4CupyIndexerMetadataBuilder)):
         group = AttentionGroup(backend, ["layer"], spec, kv_cache_group_id=0)
         with set_current_vllm_config(vllm_config):
             group.create_metadata_builders(vllm_config, torch.device("cpu"),

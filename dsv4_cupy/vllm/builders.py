@@ -9,7 +9,11 @@ from vllm.models.deepseek_v4.nvidia.flashmla import (DeepseekSparseSWAFlashMLABa
 from vllm.models.deepseek_v4.sparse_mla import (DeepseekV4FlashMLABackend,
                                                 DeepseekV4FlashMLAMetadata,
                                                 DeepseekV4FlashMLAMetadataBuilder)
+import vllm.v1.attention.backends.mla.indexer as indexer
 from vllm.v1.attention.backend import AttentionMetadataBuilder
+from vllm.v1.attention.backends.mla.indexer import (DeepseekV4IndexerBackend,
+                                                    DeepseekV32IndexerMetadataBuilder,
+                                                    DeepseekV32IndexerPrefillChunkMetadata)
 from vllm.v1.attention.backends.mla.sparse_swa import (_LAYER_TYPE_C1A, _LAYER_TYPE_C2A,
                                                        _LAYER_TYPE_C4A, _LAYER_TYPE_C128A,
                                                        _LAYER_TYPE_SWAONLY,
@@ -202,13 +206,116 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
             out=(self.left_visible, self.right_visible))
 
 
+class Dsv4CupyIndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
+    """vLLM's indexer builder for DeepSeek-V4 whose decode lengths and block rows
+    come from the library's ops, written into vLLM's own buffers: the native
+    ``[B, next_n]`` lengths (``build_indexer_native_decode_metadata``) and the
+    flattened ones (``build_indexer_decode_metadata``, vLLM's uniform and
+    torch-varlen producers); vLLM's build divides them by the ratio after, as
+    it does its own. Its prefill chunks come from the library's planner; the
+    compressed slot mapping and the chunk metadata from the library through
+    the indexer module's functions (``install``). DeepGEMM's schedule and the
+    sm_100 fused decode path stay vLLM's."""
+
+    _step_query_start_loc = None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        # vLLM hands the decode step the requests' starts only; the library's
+        # kernels take the whole query layout.
+        self._step_query_start_loc = common_attn_metadata.query_start_loc
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    @staticmethod
+    def _split_indexer_prefill_chunks(compressed_seq_lens_cpu, prefill_query_lens_cpu,
+                                      workspace_size, max_logits_bytes, request_offset=0,
+                                      fused_mqa_topk_eligible=False):
+        return dsv4_cupy.split_indexer_prefill_chunks(
+            compressed_seq_lens_cpu, prefill_query_lens_cpu, workspace_size, max_logits_bytes,
+            request_offset, fused_mqa_topk_eligible)
+
+    def _prepare_decode_tensors(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
+                                query_start_loc, num_decodes, num_decode_tokens, use_native,
+                                next_n, max_decode_len):
+        if use_native and next_n == 1:           # no kernel: the step's own lengths
+            return super()._prepare_decode_tensors(
+                seq_lens, block_table, decode_lens, decode_lens_cpu, query_start_loc,
+                num_decodes, num_decode_tokens, use_native, next_n, max_decode_len)
+        qsl = self._step_query_start_loc[:num_decodes + 1]
+        if use_native:
+            lens, _ = dsv4_cupy.build_indexer_native_decode_metadata(
+                qsl, seq_lens, max_decode_len, 1,
+                out=(self.decode_seq_lens_buffer[:num_decodes * max_decode_len].view(
+                    num_decodes, max_decode_len), self.decode_lens_buffer))
+            requires_padding = int(decode_lens_cpu.min()) != max_decode_len
+            return lens, block_table, decode_lens, num_decodes, requires_padding
+        lens, _, ones, rows, _ = dsv4_cupy.build_indexer_decode_metadata(
+            qsl, seq_lens, block_table, num_decode_tokens, 1,
+            out=(self.decode_seq_lens_buffer, self.decode_indices_buffer,
+                 self.decode_lens_buffer, self.expanded_block_table_buffer,
+                 self.per_req_decode_lens_buffer))
+        return lens, rows, ones, num_decode_tokens, False
+
+
+_vllm_build_prefill_chunk_metadata = indexer.build_prefill_chunk_metadata
+
+
+def build_prefill_chunk_metadata(start_idx, end_idx, query_start_loc, query_start_loc_cpu,
+                                 uncompressed_seq_lens, compressed_seq_lens,
+                                 compressed_seq_lens_cpu, block_table, compress_ratio,
+                                 query_slice=None, skip_kv_gather=False, dcp_rank=0,
+                                 dcp_world_size=1, cp_kv_cache_interleave_size=1, pcp_plan=None,
+                                 positions=None):
+    """vLLM 0.34's ``build_prefill_chunk_metadata`` (indexer.py) by the library's
+    kernel: one launch, ``cu_seq_lens`` summed in it; vLLM's own under PCP."""
+    if pcp_plan is not None:
+        return _vllm_build_prefill_chunk_metadata(
+            start_idx, end_idx, query_start_loc, query_start_loc_cpu, uncompressed_seq_lens,
+            compressed_seq_lens, compressed_seq_lens_cpu, block_table, compress_ratio,
+            query_slice, skip_kv_gather, dcp_rank, dcp_world_size, cp_kv_cache_interleave_size,
+            pcp_plan, positions)
+    chunk_lens = compressed_seq_lens_cpu[start_idx:end_idx]
+    total = int(chunk_lens.sum())
+    if total == 0:
+        return None
+    token_start, token_end, skip = dsv4_cupy.indexer_prefill_chunk_tokens(
+        query_start_loc_cpu, start_idx, end_idx, query_slice, skip_kv_gather)
+    first = int(query_start_loc_cpu[start_idx])
+    cu, token_to_seq, ks, ke, local_cu = dsv4_cupy.build_indexer_prefill_chunk_metadata(
+        query_start_loc[start_idx:end_idx + 1], uncompressed_seq_lens[start_idx:end_idx],
+        compress_ratio, token_start - first, token_end - first, num_compressed=total,
+        positions=None if positions is None else positions[first:], dcp_rank=dcp_rank,
+        dcp_world_size=dcp_world_size, cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
+    local_total = max_local_total = total
+    if dcp_world_size > 1:                       # host counts, as vLLM keeps them
+        per_rank = dsv4_cupy.get_dcp_local_seq_lens(chunk_lens.to(torch.int32), dcp_world_size,
+                                                    None, cp_kv_cache_interleave_size)
+        local_total = int(per_rank[:, dcp_rank].sum())
+        max_local_total = int(per_rank.sum(dim=0).max())
+    return DeepseekV32IndexerPrefillChunkMetadata(
+        block_table=block_table[start_idx:end_idx], cu_seqlen_ks=ks, cu_seqlen_ke=ke,
+        cu_seq_lens=cu, token_to_seq=token_to_seq, total_seq_lens=total,
+        max_seqlen_k=int(chunk_lens.max()), token_start=token_start, token_end=token_end,
+        num_reqs=end_idx - start_idx, skip_kv_gather=skip, local_cu_seq_lens=local_cu,
+        local_total_seq_lens=local_total, max_local_total_seq_lens=max_local_total)
+
+
 def install() -> dict:
     """Patch the backends' ``get_builder_cls``; what was patched, by name."""
     DeepseekV4FlashMLABackend.get_builder_cls = staticmethod(
         lambda: Dsv4CupyFlashMLAMetadataBuilder)
     DeepseekSparseSWAFlashMLABackend.get_builder_cls = staticmethod(
         lambda: Dsv4CupySWAMetadataBuilder)
-    return {"vllm.models.deepseek_v4.sparse_mla.DeepseekV4FlashMLABackend.get_builder_cls":
+    DeepseekV4IndexerBackend.get_builder_cls = staticmethod(
+        lambda: Dsv4CupyIndexerMetadataBuilder)
+    indexer.get_compressed_slot_mapping = dsv4_cupy.get_compressed_slot_mapping
+    indexer.build_prefill_chunk_metadata = build_prefill_chunk_metadata
+    return {
+            "vllm.v1.attention.backends.mla.indexer.DeepseekV4IndexerBackend.get_builder_cls":
+            f"{__name__}.Dsv4CupyIndexerMetadataBuilder",
+            "vllm.v1.attention.backends.mla.indexer.get_compressed_slot_mapping":
+            "dsv4_cupy.get_compressed_slot_mapping",
+            "vllm.v1.attention.backends.mla.indexer.build_prefill_chunk_metadata":
+            f"{__name__}.build_prefill_chunk_metadata","vllm.models.deepseek_v4.sparse_mla.DeepseekV4FlashMLABackend.get_builder_cls":
             f"{__name__}.Dsv4CupyFlashMLAMetadataBuilder",
             "vllm.models.deepseek_v4.nvidia.flashmla.DeepseekSparseSWAFlashMLABackend"
             ".get_builder_cls": f"{__name__}.Dsv4CupySWAMetadataBuilder"}
