@@ -31,6 +31,14 @@ def say_once(message: str) -> None:
         logger.info("dsv4_cupy: %s", message)
 
 
+def warm_up_once() -> None:
+    """The library's kernels prepared before the first step (once per process:
+    vLLM makes a builder per group and micro-batch)."""
+    if "kernels warmed up" not in _said:
+        dsv4_cupy.warmup(progress=False)
+        say_once("kernels warmed up")
+
+
 def context_parallel(vllm_config) -> bool:
     parallel = vllm_config.parallel_config
     return (getattr(parallel, "decode_context_parallel_size", 1) > 1
@@ -71,7 +79,7 @@ class Dsv4CupyFlashMLAMetadataBuilder(DeepseekV4FlashMLAMetadataBuilder):
             self.c128a_global_decode_buffer = library.c128a_global_decode_buffer
             self.c128a_decode_lens_buffer = library.c128a_decode_lens_buffer
             self.c128a_prefill_buffer = library.c128a_prefill_buffer
-        dsv4_cupy.warmup(progress=False)
+        warm_up_once()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if self._library is None:
@@ -122,6 +130,10 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
     DSpark's non-causal rows included) and the prefill gather lengths. The
     split, the validity mask, the host slices and the FlashMLA tile-scheduler
     holders are vLLM's; so is ``update_draft_decode_metadata``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        warm_up_once()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False,
               replay_start=None):
@@ -218,6 +230,10 @@ class Dsv4CupyIndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
     sm_100 fused decode path stay vLLM's."""
 
     _step_query_start_loc = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        warm_up_once()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         # vLLM hands the decode step the requests' starts only; the library's
