@@ -187,6 +187,30 @@ def test_the_swa_builder_equals_vllms(config, replay):
         assert_same(got, want)
 
 
+def test_the_swa_draft_refresh_equals_vllms(config):
+    """update_draft_decode_metadata after the step's lengths and tables changed in
+    place (a speculator's draft step replaying captured metadata)."""
+    theirs, ours = builders(config, "swa")
+    rng = np.random.default_rng(23)
+    results = []
+    cm = random_batch(rng, 5, 1, [], 3, block=64)
+    fresh = random_batch(rng, 5, 1, [], 3, block=64)
+    for builder in (theirs, ours):
+        mine = copy.copy(cm)
+        mine.seq_lens, mine.block_table_tensor = cm.seq_lens.clone(), cm.block_table_tensor.clone()
+        metadata = builder.build(0, mine)
+        metadata.seq_lens.copy_(fresh.seq_lens)          # the draft step's arrays, in place
+        metadata.block_table.copy_(fresh.block_table_tensor)
+        builder.update_draft_decode_metadata(metadata)
+        results.append(metadata)
+    want, got = results
+    real = int(cm.query_start_loc_cpu[-1])
+    assert torch.equal(got.decode_swa_indices, want.decode_swa_indices)
+    assert torch.equal(got.decode_swa_lens, want.decode_swa_lens)
+    assert torch.equal(got.is_valid_token, want.is_valid_token)
+    assert torch.equal(got.token_to_req_indices[:real], want.token_to_req_indices[:real])
+
+
 def assert_same_tree(ours, theirs, path="metadata"):
     """Dataclasses field by field, lists item by item, tensors by value and shape;
     DeepGEMM's schedule (vLLM's, an uninitialised buffer on CPU) is not compared."""

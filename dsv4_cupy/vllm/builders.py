@@ -129,7 +129,8 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
     the decode and prefill SWA rows (image visibility, replay start and
     DSpark's non-causal rows included) and the prefill gather lengths. The
     split, the validity mask, the host slices and the FlashMLA tile-scheduler
-    holders are vLLM's; so is ``update_draft_decode_metadata``."""
+    holders are vLLM's. ``update_draft_decode_metadata`` refreshes the decode
+    rows with the same ops from the metadata's device arrays."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -203,6 +204,35 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
             tile_sched_swaonly=tiles[_LAYER_TYPE_SWAONLY], tile_sched_c4a=tiles[_LAYER_TYPE_C4A],
             tile_sched_c128a=tiles[_LAYER_TYPE_C128A], tile_sched_c1a=tiles[_LAYER_TYPE_C1A],
             tile_sched_c2a=tiles[_LAYER_TYPE_C2A], **prefill)
+
+    def update_draft_decode_metadata(self, metadata):
+        """vLLM's capture-safe refresh of a draft step's decode rows (validity,
+        token map, causal or DSpark rows), by the library's ops: the token map
+        sends the tokens past the requests' to request 0, vLLM's to its search's
+        last request (their rows are invalid either way)."""
+        num_tokens = metadata.num_decode_tokens
+        if num_tokens == 0:
+            return
+        torch.ge(metadata.slot_mapping, 0, out=metadata.is_valid_token)
+        dsv4_cupy.token_to_req_indices(metadata.query_start_loc, num_tokens,
+                                       out=metadata.token_to_req_indices)
+        noncausal = self.decode_swa_indices_noncausal
+        causal = not (noncausal is not None
+                      and metadata.decode_swa_indices.data_ptr() == noncausal.data_ptr())
+        width = metadata.decode_swa_indices.shape[-1]
+        dsv4_cupy.compute_swa_indices_and_lens(
+            width if causal else self.window_size, metadata.query_start_loc,
+            metadata.seq_lens, metadata.token_to_req_indices, metadata.is_valid_token,
+            metadata.block_table, self.block_size, 0, num_tokens, index_width=width,
+            replay_start=metadata.replay_start if causal else None, causal=causal,
+            out=(metadata.decode_swa_indices, metadata.decode_swa_lens))
+        tiles = self.build_tile_scheduler(num_tokens)
+        metadata.tile_sched_swaonly = tiles[_LAYER_TYPE_SWAONLY]
+        metadata.tile_sched_c4a = tiles[_LAYER_TYPE_C4A]
+        metadata.tile_sched_c128a = tiles[_LAYER_TYPE_C128A]
+        metadata.tile_sched_c1a = tiles[_LAYER_TYPE_C1A]
+        metadata.tile_sched_c2a = tiles[_LAYER_TYPE_C2A]
+        metadata.flashinfer_sparse_index_cache.clear()
 
     def _image_visibility(self, cm, spans, nd, npt, token_map):
         """vLLM's span CSR uploaded into its buffers, the library's visibility
