@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .kinds import GPU_KINDS, KIND_TEXT, NUMPY, Operand, empty, kind_of, probe
+from .kinds import GPU_KINDS, INT32, KIND_TEXT, NUMPY, Operand, empty, kind_of, probe
 from .scalars import check_int
 
 #: Widest row an op writes (columns are 32-bit inside the kernels).
@@ -183,6 +183,18 @@ def check_writable(op: Operand) -> None:
     """An array a kernel writes must be writable (a read-only numpy view is refused)."""
     if op.kind == NUMPY and not op.array.flags.writeable:
         raise ValueError(f"{op.name}: expected a writable array, got a read-only one")
+
+
+def check_visibility(left: Operand | None, right: Operand | None, num_tokens: int) -> None:
+    """Image visibility (vLLM's ``left_visible``/``right_visible``): both or
+    neither, int32, a value per token."""
+    if (left is None) != (right is None):
+        missing = "right_visible" if right is None else "left_visible"
+        raise ValueError(f"{missing}: expected an int32 array with the other visibility, "
+                         f"got None")
+    for visible in (left, right):
+        if visible is not None:
+            check(visible, (INT32,), 1, min_len=num_tokens)
 
 
 def check_row_width(name: str, value, minimum: int = 0) -> int:

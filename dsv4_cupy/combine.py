@@ -13,7 +13,7 @@ from .cpu import ParallelKernel, div_trunc, gather_len, request_of
 from .family import COMBINE_LANES_AXIS, COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, KernelFamily
 from .geometry import MAX_PLAN_CHUNKS, RUN_TIME, combine_lanes
 from .kinds import INT32, Operand, probe_all
-from .launch import Launch, NoArray
+from .launch import Launch, optional
 from .params import I32, I64, PTR, QUERY_LAYOUT, Array, Group, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -233,10 +233,6 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     N = check_int("N", N, minimum=0, maximum=M)
     max_image_tokens = checks.check_row_width("max_image_tokens", max_image_tokens)
     left, right = ops["left_visible"], ops["right_visible"]
-    if (left is None) != (right is None):
-        missing = "right_visible" if right is None else "left_visible"
-        raise ValueError(f"{missing}: expected an int32 array with the other visibility, "
-                         f"got None")
     if topk_op is not None:
         checks.check(topk_op, (INT32,), 2, min_cols=topk)
         num_tokens = topk_op.shape[0]
@@ -246,9 +242,7 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     num_reqs = qsl.shape[0] - 1
     checks.check(seq, (INT32,), 1, min_len=num_reqs)
     checks.check(gather, (INT32,), 1, min_len=num_reqs)
-    for visible in (left, right):
-        if visible is not None:
-            checks.check(visible, (INT32,), 1, min_len=num_tokens)
+    checks.check_visibility(left, right, num_tokens)
     width = combined_width(topk, window_size, max_image_tokens)
     indices = checks.output("out[0]", ops["out[0]"], kind, device, INT32, num_tokens, width)
     lens = checks.output("out[1]", ops["out[1]"], kind, device, INT32, num_tokens)
@@ -292,18 +286,15 @@ def combine_launch(query: QueryLayout, gather_lens: Operand | None, topk_indices
                    "window": FAMILY.compiled_in("window", window_size), "lanes": lanes}
     return Launch(
         FAMILY, geometry.row_lane_blocks(num_tokens, lanes) if device >= 0 and num_tokens else 0,
-        dict(query=query, gather_lens=_NO_ARRAY if gather_lens is None else gather_lens,
-             topk_indices=_NO_ARRAY if topk_indices is None else topk_indices, out=out,
-             lens=lens, left_visible=_NO_ARRAY if images is None else images.left,
-             right_visible=_NO_ARRAY if images is None else images.right,
+        dict(query=query, gather_lens=optional(gather_lens), topk_indices=optional(topk_indices),
+             out=out, lens=lens, left_visible=optional(images and images.left),
+             right_visible=optional(images and images.right),
              topk_stride=0 if topk_indices is None else checks.row_stride(topk_indices),
              out_stride=checks.row_stride(out), width=width, num_tokens=num_tokens,
              window_size=window_size, image_width=image_width, ratio=compress_ratio, topk=topk,
              rows_per_request=rows_per_request, swa_offset=swa_offset),
         variant=variant, kernel=cpu_combine_topk_swa_indices)
 
-
-_NO_ARRAY = NoArray(INT32)
 
 
 class PlanChunk(NamedTuple):

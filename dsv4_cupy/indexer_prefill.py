@@ -10,7 +10,7 @@ from .cpu import dcp_local_rows, div_trunc
 from .dcp import SINGLE_RANK, ContextParallel, check_cp
 from .family import POSITIONS_AXIS, KernelFamily
 from .kinds import GPU_KINDS, INT32, INT64, Operand, probe_all
-from .launch import Launch, NoArray
+from .launch import Launch, optional
 from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -202,8 +202,7 @@ def indexer_prefill_launch(query: QueryLayout, cu_compressed: Operand, token_to_
     return Launch(FAMILY, geometry.grid_stride_row_blocks(query.num_reqs + 1),
                   dict(query=query, cu_compressed=cu_compressed, token_to_seq=token_to_seq,
                        seqlen_ks=seqlen_ks, seqlen_ke=seqlen_ke,
-                       local_cu=_NO_ARRAY if local_cu is None else local_cu,
-                       positions=_NO_ARRAY if positions is None else positions,
+                       local_cu=optional(local_cu), positions=optional(positions),
                        positions_int64=int(positions is not None and positions.dtype == INT64),
                        num_compressed=num_compressed, ratio=compress_ratio,
                        query_slice_start=query_slice_start, query_slice_stop=query_slice_stop,
@@ -211,8 +210,6 @@ def indexer_prefill_launch(query: QueryLayout, cu_compressed: Operand, token_to_
                        cp_interleave=cp.interleave),
                   kernel=cpu_indexer_prefill_chunk_metadata)
 
-
-_NO_ARRAY = NoArray(INT32)
 
 
 def warm_launches(tiny):

@@ -12,7 +12,7 @@ from .family import KernelFamily
 from .geometry import MAX_GRID_STRIDE_BLOCKS, WARP_LANES, row_lane_blocks
 from .kinds import GPU_KINDS, INT32, UINT16, Operand, as_bits, probe_all
 from .kv_cache import CachePages, check_pages
-from .launch import Launch, NoArray, table_of
+from .launch import Launch, optional, table_of
 from .params import BLOCK_TABLE, I64, PTR, Group, Params
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -256,7 +256,7 @@ def _check_common(ops: dict, kind: str, device: int, table_name: str = "block_ta
 def _source(pages: CachePages, table: Operand, gather_lens: Operand | None, ratio: int,
             first_row: int) -> KCacheSource:
     return KCacheSource(cache=pages.op, table=table_of(table),
-                        gather_lens=NoArray(INT32) if gather_lens is None else gather_lens,
+                        gather_lens=optional(gather_lens),
                         page_stride=pages.page_stride, num_pages=pages.num_pages,
                         block_size=pages.block_size, ratio=ratio, first_row=first_row)
 

@@ -27,7 +27,7 @@ import numpy as np
 from . import device as devices
 from . import host, loader
 from .checks import row_stride
-from .kinds import TORCH_CUDA, Operand, loaded_torch
+from .kinds import INT32, TORCH_CUDA, Operand, loaded_torch
 from .params import RECORD_LAYOUTS, BlockTable
 
 
@@ -36,6 +36,11 @@ class NoArray(NamedTuple):
     array of ``dtype`` on the CPU."""
 
     dtype: np.dtype
+
+
+def optional(op: Operand | None, dtype=INT32):
+    """``op``, or for None the absent array of ``dtype`` (``NoArray``)."""
+    return NoArray(dtype) if op is None else op
 
 
 class FrozenLaunch(NamedTuple):

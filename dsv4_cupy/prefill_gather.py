@@ -9,7 +9,7 @@ from . import checks, geometry, validation
 from .cpu import gather_len
 from .family import KernelFamily
 from .kinds import INT32, Operand, probe_all
-from .launch import Launch, NoArray
+from .launch import Launch, optional
 from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -98,13 +98,11 @@ def gather_lens_launch(query: QueryLayout, out: Operand, num_decodes: int, num_p
     (from their replay starts, when given)."""
     return Launch(FAMILY, geometry.elementwise_blocks(num_prefills),
                   dict(query=query, out=out,
-                       replay_start=_NO_ARRAY if replay_start is None else replay_start,
+                       replay_start=optional(replay_start),
                        num_decodes=num_decodes, num_prefills=num_prefills,
                        window_size=window_size),
                   kernel=cpu_prefill_gather_lens)
 
-
-_NO_ARRAY = NoArray(INT32)
 
 
 def warm_launches(tiny):

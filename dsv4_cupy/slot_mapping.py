@@ -9,7 +9,7 @@ from .dcp import MAX_CP_SIZE, ContextParallel, check_cp
 from .family import SLOT_MAPPING_AXIS, KernelFamily
 from .geometry import elementwise_blocks
 from .kinds import INT32, INT64, Operand, probe_all
-from .launch import Launch, NoArray, table_of
+from .launch import Launch, optional, table_of
 from .params import (BLOCK_TABLE, I64, PTR, QUERY_LAYOUT, SLOT_GEOMETRY, Params, QueryLayout,
                      SlotGeometry)
 from .prepared import Checked, PreparedOp
@@ -197,7 +197,7 @@ def slot_mapping_launch(query_start_loc: Operand, seq_lens: Operand, table: Oper
     return Launch(
         FAMILY, elementwise_blocks(out_len),
         dict(query=QueryLayout(query_start_loc, seq_lens, table.shape[0]), table=table_of(table),
-             geometry=geometry, token_slots=NoArray(INT64) if token_slots is None else token_slots,
+             geometry=geometry, token_slots=optional(token_slots, INT64),
              out=out, out_len=out_len, num_tokens=num_tokens),
         variant={"slot_mapping": slot_dtype}, kernel=cpu_compressed_slot_mapping)
 

@@ -10,7 +10,7 @@ from . import (c128a, combine, indexer_decode, indexer_native_decode, indexer_pr
                prefill_gather, short_context, slot_mapping, swa, token_map)
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS, KernelFamily
 from .kinds import BOOL, INT64, Operand
-from .launch import Launch, NoArray
+from .launch import Launch, optional
 from .params import I64, PTR, Group, Params
 
 #: The step kernel's sections, in grid order: each is one family's struct.
@@ -60,8 +60,8 @@ def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None 
         ends[name] = total
         inputs[name] = section if section is not None else layout.off
     inputs.update(sections=StepSections(**ends),
-                  swa_slot_mapping=NoArray(INT64) if swa_slot_mapping is None else swa_slot_mapping,
-                  is_valid_out=NoArray(BOOL) if is_valid_out is None else is_valid_out)
+                  swa_slot_mapping=optional(swa_slot_mapping, INT64),
+                  is_valid_out=optional(is_valid_out, BOOL))
     return Launch(FAMILY, total, inputs, variant=variant, kernel=cpu_step_validity,
                   parts=tuple(sections[name] for name in SECTION_NAMES if name in sections))
 

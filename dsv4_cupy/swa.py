@@ -11,7 +11,7 @@ from .cpu import ParallelKernel
 from .family import ROW_LANES_AXIS, ROW_THREADS_AXIS, SWA_BLOCK_AXIS, SWA_WINDOW_AXIS, KernelFamily
 from .geometry import row_block_threads
 from .kinds import BOOL, INT32, Operand, probe_all
-from .launch import Launch, NoArray, table_of
+from .launch import Launch, optional, table_of
 from .params import BLOCK_TABLE, I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -212,13 +212,7 @@ def check_extended_window(window_size: int, index_width, left_visible: Operand |
     plain rows, whose window the kernel may compile in)."""
     index_width = checks.check_row_width("index_width", window_size if index_width is None
                                          else index_width, minimum=window_size)
-    if (left_visible is None) != (right_visible is None):
-        missing = "right_visible" if right_visible is None else "left_visible"
-        raise ValueError(f"{missing}: expected an int32 array with the other visibility, "
-                         f"got None")
-    for visible in (left_visible, right_visible):
-        if visible is not None:
-            checks.check(visible, (INT32,), 1, min_len=num_tokens)
+    checks.check_visibility(left_visible, right_visible, num_tokens)
     if replay_start is not None:
         checks.check(replay_start, (INT32,), 1, min_len=num_reqs)
     if not isinstance(causal, (bool, np.bool_)):
@@ -256,22 +250,15 @@ def swa_launch(query: QueryLayout, table: Operand, token_to_req: Operand,
         FAMILY, blocks,
         dict(query=query, table=table_of(table), token_to_req=token_to_req,
              is_valid_token=is_valid_token, indices=indices, lens=lens,
-             left_visible=_absent(None if extended is None else extended.left_visible),
-             right_visible=_absent(None if extended is None else extended.right_visible),
-             replay_start=_absent(None if extended is None else extended.replay_start),
+             left_visible=optional(extended and extended.left_visible),
+             right_visible=optional(extended and extended.right_visible),
+             replay_start=optional(extended and extended.replay_start),
              indices_stride=checks.row_stride(indices), window_size=window_size,
              index_width=window_size if extended is None else extended.index_width,
              causal=1 if extended is None else int(extended.causal),
              block_size=block_size, token_offset=token_offset, num_rows=num_rows,
              guess_shift=geometry.request_guess_shift(num_tokens, query.num_reqs)),
         variant=variant, kernel=cpu_swa_indices_and_lens)
-
-
-def _absent(op: Operand | None):
-    return _NO_ARRAY if op is None else op
-
-
-_NO_ARRAY = NoArray(INT32)
 
 
 def warm_launches(tiny):

@@ -146,7 +146,6 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
         token_map = step_token_map(cm, self.token_to_req_indices)
         is_valid = self.is_valid_token[:cm.slot_mapping.shape[0]]
         torch.ge(cm.slot_mapping, 0, out=is_valid)
-        replay = replay_start                          # None: no lower bound
         rows = dict(query_start_loc=qsl, seq_lens=seq, token_to_req_indices=token_map,
                     is_valid_token=is_valid, block_table=table, block_size=self.block_size)
         causal = bool(cm.causal)
@@ -161,7 +160,7 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
                 decode_rows = self.decode_swa_indices_noncausal
             dsv4_cupy.compute_swa_indices_and_lens(
                 self.window_size, token_offset=0, num_rows=nd,
-                index_width=decode_rows.shape[-1], replay_start=replay, causal=causal,
+                index_width=decode_rows.shape[-1], replay_start=replay_start, causal=causal,
                 out=(decode_rows, self.decode_swa_lens), **rows)
         left = right = None
         spans = cm.mm_req_doc_ranges
@@ -171,7 +170,7 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
             dsv4_cupy.compute_swa_indices_and_lens(
                 self.window_size, token_offset=nd, num_rows=npt,
                 index_width=self.prefill_index_width, left_visible=left, right_visible=right,
-                replay_start=replay, out=(self.prefill_swa_indices, self.prefill_swa_lens),
+                replay_start=replay_start, out=(self.prefill_swa_indices, self.prefill_swa_lens),
                 **rows)
         prefill = {}
         if num_prefills:
@@ -180,14 +179,13 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
                 prefill_seq_lens_cpu=cm.seq_lens_cpu_upper_bound[num_decodes:],
                 prefill_gather_lens=dsv4_cupy.compute_prefill_gather_lens(
                     qsl, seq, num_decodes, num_prefills, self.window_size,
-                    replay_start=replay),
+                    replay_start=replay_start),
                 prefill_query_lens_cpu=(
                     cm.query_start_loc_cpu[num_decodes + 1:num_decodes + num_prefills + 1]
                     - cm.query_start_loc_cpu[num_decodes:num_decodes + num_prefills]
                 ).to(dtype=torch.int32),
                 prefill_window_size=self.window_size, prefill_max_model_len=self.max_model_len,
                 prefill_max_num_batched_tokens=self.max_num_batched_tokens)
-        tiles = self.build_tile_scheduler(nd)
         return DeepseekSparseSWAMetadata(
             seq_lens=seq, query_start_loc=qsl, query_start_loc_cpu=cm.query_start_loc_cpu,
             block_table=table, slot_mapping=cm.slot_mapping, is_valid_token=is_valid,
@@ -201,9 +199,7 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
             block_size=self.block_size, num_decodes=num_decodes, num_prefills=num_prefills,
             num_decode_tokens=nd, num_prefill_tokens=npt,
             max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
-            tile_sched_swaonly=tiles[_LAYER_TYPE_SWAONLY], tile_sched_c4a=tiles[_LAYER_TYPE_C4A],
-            tile_sched_c128a=tiles[_LAYER_TYPE_C128A], tile_sched_c1a=tiles[_LAYER_TYPE_C1A],
-            tile_sched_c2a=tiles[_LAYER_TYPE_C2A], **prefill)
+            **self._tile_schedulers(nd), **prefill)
 
     def update_draft_decode_metadata(self, metadata):
         """vLLM's capture-safe refresh of a draft step's decode rows (validity,
@@ -226,13 +222,16 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
             metadata.block_table, self.block_size, 0, num_tokens, index_width=width,
             replay_start=metadata.replay_start if causal else None, causal=causal,
             out=(metadata.decode_swa_indices, metadata.decode_swa_lens))
-        tiles = self.build_tile_scheduler(num_tokens)
-        metadata.tile_sched_swaonly = tiles[_LAYER_TYPE_SWAONLY]
-        metadata.tile_sched_c4a = tiles[_LAYER_TYPE_C4A]
-        metadata.tile_sched_c128a = tiles[_LAYER_TYPE_C128A]
-        metadata.tile_sched_c1a = tiles[_LAYER_TYPE_C1A]
-        metadata.tile_sched_c2a = tiles[_LAYER_TYPE_C2A]
+        for field, holder in self._tile_schedulers(num_tokens).items():
+            setattr(metadata, field, holder)
         metadata.flashinfer_sparse_index_cache.clear()
+
+    def _tile_schedulers(self, num_decode_tokens: int) -> dict:
+        """vLLM's FlashMLA tile-scheduler holders, by the metadata's field names."""
+        holders = self.build_tile_scheduler(num_decode_tokens)
+        return {f"tile_sched_{name}": holders[layer_type] for name, layer_type in (
+            ("swaonly", _LAYER_TYPE_SWAONLY), ("c4a", _LAYER_TYPE_C4A),
+            ("c128a", _LAYER_TYPE_C128A), ("c1a", _LAYER_TYPE_C1A), ("c2a", _LAYER_TYPE_C2A))}
 
     def _image_visibility(self, cm, spans, nd, npt, token_map):
         """vLLM's span CSR uploaded into its buffers, the library's visibility
