@@ -142,7 +142,7 @@ def build_indexer_prefill_chunk_metadata(query_start_loc, seq_lens, compress_rat
         return results
     names = ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke", "local_cu")
     cu_out, token_to_seq_out, ks_out, ke_out, local_out = checks.out_buffers(
-        out if out is None or len(out) != 4 else (*out, None), names)
+        (*out, None) if isinstance(out, (tuple, list)) and len(out) == 4 else out, names)
     kind, device, ops = probe_all({
         "query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions,
         "out[0]": cu_out, "out[1]": token_to_seq_out, "out[2]": ks_out, "out[3]": ke_out,

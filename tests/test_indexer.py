@@ -356,6 +356,8 @@ def test_indexer_bad_input_names_the_argument_and_writes_nothing():
         with pytest.raises(error, match=match):
             d4.build_indexer_prefill_chunk_metadata(**args)
     assert all((buffer == POISON).all() for buffer in out)
+    with pytest.raises(TypeError, match=r"out: expected a tuple of 5 arrays .*, got ndarray"):
+        d4.build_indexer_prefill_chunk_metadata(qsl, seq, 4, 0, 5, out=np.zeros(4, I32))
     rows = np.full((4, 2), POISON, I32)
     for args, error, match in [
         ((qsl, seq, np.zeros((1, 2), I32), 4, 4), ValueError,
