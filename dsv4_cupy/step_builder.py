@@ -336,7 +336,9 @@ class DeepseekV4StepMetadataBuilder:
             # The combined rows replace the C128A local prefill rows: those are not written.
             c128a_tokens=nd if self.combined_prefill else nd + np_tokens,
             valid_tokens=group.valid_tokens(cm, host_qsl), compressed=compressed, chunks=chunks,
-            short_context=self._short_context(cm, capturing))
+            short_context=self._short_context(cm, capturing),
+            native_decode_shape=self._indexer_decode.native_shape(split, cm.max_query_len,
+                                                                  host_qsl))
 
     def _build_checked(self, common_attn_metadata, capturing: bool,
                        layout_key=None) -> DeepseekV4StepMetadata:

@@ -25,16 +25,18 @@ class IndexerDecode:
         self.layout = check_choice("indexer_decode_layout", layout, INDEXER_DECODE_LAYOUTS)
         self.next_n, self.buffers, self.capacity = next_n, buffers, capacity
 
-    def native_shape(self, plan: StepPlan) -> tuple[int, int]:
+    def native_shape(self, split, max_query_len: int, host_qsl) -> tuple[int, int] | None:
         """(rows, columns) of the native lengths: vLLM's ``[decode requests, the
-        longest decode query]``, ``[decode tokens, 1]`` at next_n 1."""
-        split = plan.split
+        longest decode query]``, ``[decode tokens, 1]`` at next_n 1; None in
+        the flat layout."""
+        if self.layout != "native":
+            return None
         if self.next_n == 1:
             return split.num_decode_tokens, 1
         if not split.num_prefills:              # decodes only: max_query_len is the longest
-            columns = max(plan.cms["c128a"].max_query_len, 1)
+            columns = max(max_query_len, 1)
         else:
-            decode_qsl = plan.arrays.host_query_start_loc[:split.num_decodes + 1]
+            decode_qsl = host_qsl[:split.num_decodes + 1]
             columns = max(int((decode_qsl[1:] - decode_qsl[:-1]).max(initial=1)), 1)
         if split.num_decodes * columns > self.capacity:
             raise ValueError(f"num_reqs: expected the native indexer decode lengths, "
@@ -47,7 +49,7 @@ class IndexerDecode:
         ops, split = plan.arrays.ops, plan.split
         query = QueryLayout(ops["query_start_loc"], ops["seq_lens"], split.num_decodes)
         if self.layout == "native":
-            rows, columns = self.native_shape(plan)
+            rows, columns = plan.native_decode_shape
             context, _, decode_lens, _, _ = self.buffers
             return "indexer_native_decode", native_decode_launch(
                 query, checks.as_rows(op(context), rows, columns), op(decode_lens), rows,
@@ -65,7 +67,7 @@ class IndexerDecode:
             return
         context, req_ids, decode_lens, block_rows, per_req = self.buffers
         if self.layout == "native":
-            rows, columns = self.native_shape(plan)
+            rows, columns = plan.native_decode_shape
             # The block rows are the indexer group's own table, its first decode rows.
             out.indexer_context_lens = view(context, 0, rows * columns, row_length=columns)
             out.indexer_decode_lens = out.indexer_per_req_decode_lens = view(decode_lens, 0,

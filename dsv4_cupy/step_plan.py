@@ -62,6 +62,7 @@ class StepPlan:
     compressed: int              # the indexer's compressed rows over the prefills
     chunks: ChunkPlans | None    # with combined_prefill and prefills
     short_context: bool          # the C4A short-context rows are built
+    native_decode_shape: tuple | None   # the indexer's native decode lengths' (rows, columns)
 
     @property
     def num_tokens(self) -> int:
