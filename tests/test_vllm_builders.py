@@ -11,6 +11,7 @@ pytest invocation (the README's command)."""
 from __future__ import annotations
 
 import copy
+import types
 import dataclasses
 import importlib.util
 import os
@@ -379,3 +380,110 @@ def test_the_ops_equal_vllms(monkeypatch):
                                                     COMPRESS_RATIO=4, PADDED_TOP_K=512,
                                                     num_warps=8)
     assert torch.equal(buffers[0], buffers[1])
+
+
+# --- the whole step in one launch, through vLLM's runner function ---------------------------
+GROUP_BLOCKS = {"swa": 64, 4: BLOCK, "indexer": BLOCK, 128: BLOCK}
+
+
+def runner_step(rng, decodes, depth, prefills, pad, zero_rows):
+    """build_attn_metadata's arguments for one step of the four KV-cache groups
+    (SWA, C4A, indexer, C128A: each its own block table and slot mapping)."""
+    cm = random_batch(rng, decodes, depth, prefills, pad, zero_rows)
+    tables, slots = [], []
+    for block in GROUP_BLOCKS.values():
+        table = rng.integers(0, 500, (cm.num_reqs, -(-MAX_MODEL_LEN // block))).astype(np.int32)
+        table[rng.random(table.shape) < 0.05] = -1
+        tables.append(torch.from_numpy(table))
+        slot = rng.integers(0, 1 << 20, cm.num_actual_tokens)
+        slot[int(cm.query_start_loc_cpu[-1]):] = -1
+        slots.append(torch.from_numpy(slot))
+    return dict(num_reqs=cm.num_reqs, num_tokens=cm.num_actual_tokens,
+                query_start_loc_gpu=cm.query_start_loc, query_start_loc_cpu=cm.query_start_loc_cpu,
+                max_query_len=cm.max_query_len, seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len,
+                block_tables=tables, slot_mappings=slots,
+                kv_cache_config=types.SimpleNamespace(kv_cache_groups=[None] * 4),
+                seq_lens_cpu_upper_bound=cm.seq_lens_cpu_upper_bound, positions=cm.positions,
+                is_prefilling=cm.is_prefilling)
+
+
+def attention_groups(config, which):
+    """One attention group per KV-cache group, their builders vLLM's (0) or the plugin's (1)."""
+    backends = {"swa": DeepseekSparseSWAFlashMLABackend, "indexer": DeepseekV4IndexerBackend}
+    groups = []
+    for index, name in enumerate(GROUP_BLOCKS):
+        builder = builders(config, name)[which]
+        groups.append([AttentionGroup(backends.get(name, DeepseekV4FlashMLABackend),
+                                      [f"layer.{name}"], builder.kv_cache_spec, index,
+                                      metadata_builders=[builder])])
+    return groups
+
+
+@pytest.mark.parametrize("graphs", ["NONE", "FULL_AND_PIECEWISE"])
+def test_the_one_launch_step_equals_vllms_per_group_builds(config, monkeypatch, graphs):
+    """vLLM's build_attn_metadata, wrapped: the C128A, C4A and SWA groups from one
+    step build (their per-group paths refused), the indexer as before; every
+    layer's metadata equal to vLLM's builders'. Under FULL graphs a uniform
+    decode step (one the runner may replay) is built per group instead."""
+    import vllm.v1.attention.backends.mla.indexer as indexer
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+
+    import dsv4_cupy
+    from dsv4_cupy.vllm import builders as plugin_builders
+    from dsv4_cupy.vllm.step import wrap
+    vllm_config, _ = config
+    monkeypatch.setattr(vllm_config.compilation_config, "cudagraph_mode",
+                        getattr(CUDAGraphMode, graphs))
+    monkeypatch.setattr(DeepseekV32IndexerMetadataBuilder, "get_cudagraph_support",
+                        classmethod(lambda cls, *args: sparse_swa.AttentionCGSupport
+                                    .UNIFORM_BATCH))    # sm_90's, as on an H200
+    theirs_groups, our_groups = attention_groups(config, 0), attention_groups(config, 1)
+    steps = []
+    step_build = dsv4_cupy.DeepseekV4StepMetadataBuilder.build
+    monkeypatch.setattr(dsv4_cupy.DeepseekV4StepMetadataBuilder, "build",
+                        lambda self, *a, **k: steps.append(1) or step_build(self, *a, **k))
+    per_group = []                  # the C128A, C4A and SWA groups' own launches
+    for cls, name in ((Dsv4CupySWAMetadataBuilder, "_rows"),
+                      (dsv4_cupy.DeepseekV4MetadataBuilder, "build")):
+        own = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, own=own: per_group.append(1)
+                            or own(self, *a))
+    originals = {name: getattr(indexer, name) for name in ("get_compressed_slot_mapping",
+                                                           "build_prefill_chunk_metadata")}
+    ours_step = wrap(build_attn_metadata)
+    rng = np.random.default_rng(29)
+    for decodes, depth, prefills, pad, zero_rows in STEPS + [(3, 1, [90, 33], 2, 0)]:
+        args = runner_step(rng, decodes, depth, prefills, pad, zero_rows)
+        for name, function in originals.items():
+            monkeypatch.setattr(indexer, name, function)
+        theirs_args, our_args = copy.deepcopy(args), copy.deepcopy(args)
+        want = build_attn_metadata(theirs_groups, **theirs_args)
+        monkeypatch.setattr(indexer, "get_compressed_slot_mapping",
+                            dsv4_cupy.get_compressed_slot_mapping)
+        monkeypatch.setattr(indexer, "build_prefill_chunk_metadata",
+                            plugin_builders.build_prefill_chunk_metadata)
+        del steps[:], per_group[:]
+        got = ours_step(our_groups, **our_args)
+        replayable = graphs != "NONE" and args["max_query_len"] <= 1
+        assert (len(steps), len(per_group)) == ((0, 3) if replayable else (1, 0))
+        assert want.keys() == got.keys()
+        for layer in want:
+            if "indexer" in layer:
+                assert_same_tree(got[layer], want[layer], layer)
+            else:
+                assert_same(got[layer], want[layer])
+        for mine, vllms in zip(our_args["block_tables"], theirs_args["block_tables"]):
+            assert torch.equal(mine, vllms)      # the compressed groups' tables clamped
+
+
+def test_the_runner_modules_get_the_step_once(monkeypatch):
+    import vllm.v1.worker.gpu.model_states.default as runner
+
+    from dsv4_cupy.vllm import step
+    monkeypatch.setattr(runner, "build_attn_metadata", runner.build_attn_metadata)
+    original = runner.build_attn_metadata
+    step.install()
+    step.install()
+    assert runner.build_attn_metadata.wrapped_by_dsv4_cupy
+    assert runner.build_attn_metadata.__wrapped__ is original

@@ -64,7 +64,7 @@ def test_on_it_patches_once_and_says_what(stand_ins, monkeypatch, caplog):
         plugin.register()
         plugin.register()                     # vLLM may load plugins twice
     assert stand_ins.installs == list(plugin.INSTALLED_PARTS)
-    assert plugin.patched() == {"builders.target": "builders.ours", "ops.target": "ops.ours"}
+    assert plugin.patched() == {f"{part}.target": f"{part}.ours" for part in plugin.INSTALLED_PARTS}
     assert "dsv4_cupy: builders.target -> builders.ours" in caplog.text
 
 
@@ -89,3 +89,58 @@ def test_only_served_platforms_are_patched(stand_ins, monkeypatch, caplog, platf
     assert bool(stand_ins.installs) == served
     if not served:
         assert "is not served" in caplog.text and "nothing patched" in caplog.text
+
+
+def graph_kernel_nodes(fn) -> int:
+    """The nodes of a torch CUDA graph capturing ``fn`` (a sync inside fails the capture)."""
+    import ctypes
+
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()                                        # warm up: compile, load, first use
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    count = ctypes.c_size_t(0)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    assert libcuda.cuGraphGetNodes(ctypes.c_void_p(graph.raw_cuda_graph()), None,
+                                   ctypes.byref(count)) == 0
+    return count.value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_the_adapters_conversion_launches_nothing_more_and_never_syncs(ratio):
+    """The plugin's C128A/C4A build (vLLM's metadata in, vLLM's out, here a
+    stand-in class with its fields) captured in a CUDA graph: the library's
+    own build's nodes plus vLLM's in-place clamp of a compressed group's table,
+    nothing else; a device-to-host sync would have failed the capture."""
+    import dataclasses
+
+    import numpy as np
+    torch = pytest.importorskip("torch")
+
+    import dsv4_cupy as d4
+    from dsv4_cupy.vllm.convert import FLASHMLA_FIELDS, flashmla_build, library_cm
+    from helpers import common_metadata, group_ops_steps
+    vllm_metadata = dataclasses.make_dataclass("DeepseekV4FlashMLAMetadata", FLASHMLA_FIELDS)
+    batch, _ = group_ops_steps()
+    library = d4.DeepseekV4MetadataBuilder(ratio, 1 << 18, 64, num_speculative_tokens=1,
+                                           like="torch")
+    cm = types.SimpleNamespace(**vars(common_metadata(batch, "torch_cuda")),
+                               seq_lens_cpu_upper_bound=None, _token_to_req_indices_cache=None)
+    bare = graph_kernel_nodes(lambda: library.build(0, library_cm(cm)))
+    adapter = graph_kernel_nodes(lambda: flashmla_build(library, cm, vllm_metadata))
+    assert (bare, adapter) == (1, 1 + 1)
+    served = flashmla_build(library, cm, vllm_metadata)
+    torch.cuda.synchronize()
+    want = library.build(0, library_cm(cm))
+    for name in FLASHMLA_FIELDS:
+        a, b = getattr(served, name), getattr(want, name)
+        assert (a is b) or (a == b if not isinstance(b, torch.Tensor) else a.data_ptr() == b.data_ptr())
+    assert cm._token_to_req_indices_cache is served.req_id_per_token
+    assert not np.any(cm.block_table_tensor.cpu().numpy() < 0)

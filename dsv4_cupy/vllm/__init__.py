@@ -23,8 +23,9 @@ ENABLE_VARIABLE = "DSV4_CUPY_VLLM"
 TESTED_VERSIONS = ("0.34",)
 #: CUDA compute-capability majors the library's kernels serve.
 SERVED_MAJORS = (9, 10)
-#: The submodules whose ``install()`` patches vLLM: its builders, its per-layer ops.
-INSTALLED_PARTS = ("builders", "ops")
+#: The submodules whose ``install()`` patches vLLM: its builders, its per-layer ops, the
+#: runner's per-step build (the one-launch step).
+INSTALLED_PARTS = ("builders", "ops", "step")
 
 logger = logging.getLogger("vllm.dsv4_cupy")
 _patched: dict = {}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from vllm.models.deepseek_v4.nvidia.flashmla import (DeepseekSparseSWAFlashMLABackend,
@@ -20,6 +21,7 @@ from vllm.v1.attention.backends.mla.sparse_swa import (_LAYER_TYPE_C1A, _LAYER_T
                                                        DeepseekSparseSWAMetadata)
 
 import dsv4_cupy
+from .convert import flashmla_build
 
 logger = logging.getLogger("vllm.dsv4_cupy")
 _said: set = set()
@@ -45,6 +47,17 @@ def context_parallel(vllm_config) -> bool:
             or getattr(parallel, "prefill_context_parallel_size", 1) > 1)
 
 
+def served_step(builder, cm):
+    """What the one-launch step (``dsv4_cupy.vllm.step``) built for this group's
+    build, or None (no step, or a build of another table)."""
+    views = builder._step_views
+    if views is None or views[0] is not cm.block_table_tensor:
+        return None
+    if cm._token_to_req_indices_cache is None:      # as the first group built publishes it
+        cm._token_to_req_indices_cache = views[1].req_id_per_token
+    return views[1]
+
+
 class Dsv4CupyFlashMLAMetadataBuilder(DeepseekV4FlashMLAMetadataBuilder):
     """vLLM's C128A/C4A ``DeepseekV4FlashMLAMetadataBuilder``, its metadata
     built by ``dsv4_cupy.DeepseekV4MetadataBuilder``: the same fields, shapes,
@@ -52,6 +65,10 @@ class Dsv4CupyFlashMLAMetadataBuilder(DeepseekV4FlashMLAMetadataBuilder):
     the block table and the token map cached on the step's metadata are kept.
     Under context parallelism (which vLLM 0.34 refuses for DeepSeek-V4) it is
     vLLM's own builder."""
+
+    _step_views = None          # (block table, metadata) handed over by the one-launch step
+    _step_builder = None        # the step's builder, made by the first one-launch step
+    _full_graph_support = None  # (the runner's support,) under FULL graphs, else (); found once
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         self._library = None
@@ -84,27 +101,11 @@ class Dsv4CupyFlashMLAMetadataBuilder(DeepseekV4FlashMLAMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if self._library is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        cm = common_attn_metadata
-        if self.compress_ratio > 1:
-            cm.block_table_tensor.clamp_(min=0)      # vLLM's later readers see the clamped table
-        md = self._library.build(common_prefix_len, dsv4_cupy.CommonAttentionMetadata(
-            query_start_loc=cm.query_start_loc, query_start_loc_cpu=cm.query_start_loc_cpu,
-            seq_lens=cm.seq_lens, block_table_tensor=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping, num_reqs=cm.num_reqs,
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len, positions=cm.positions, is_prefilling=cm.is_prefilling,
-            seq_lens_cpu_upper_bound=cm.seq_lens_cpu_upper_bound), fast_build)
-        if cm._token_to_req_indices_cache is None:
-            cm._token_to_req_indices_cache = md.req_id_per_token
-        return DeepseekV4FlashMLAMetadata(
-            num_reqs=md.num_reqs, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            num_actual_tokens=md.num_actual_tokens, query_start_loc=md.query_start_loc,
-            slot_mapping=md.slot_mapping, block_table=md.block_table,
-            req_id_per_token=md.req_id_per_token, block_size=md.block_size,
-            topk_tokens=md.topk_tokens,
-            c128a_global_decode_topk_indices=md.c128a_global_decode_topk_indices,
-            c128a_decode_topk_lens=md.c128a_decode_topk_lens,
-            c128a_prefill_topk_indices=md.c128a_prefill_topk_indices)
+        served = served_step(self, common_attn_metadata)
+        if served is None:
+            served = flashmla_build(self._library, common_attn_metadata,
+                                    DeepseekV4FlashMLAMetadata, common_prefix_len, fast_build)
+        return served
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """vLLM builds outside the graph: an eager build (at capacity width, the
@@ -123,6 +124,19 @@ def step_token_map(cm, buffer):
     return cm._token_to_req_indices_cache[:cm.num_actual_tokens]
 
 
+class SWARows(NamedTuple):
+    """One step's SWA rows and the arrays beside them, as vLLM's metadata names them."""
+    token_map: torch.Tensor              # [T] int32
+    is_valid: torch.Tensor               # [T] bool
+    decode_rows: torch.Tensor            # [Td, 1, width] int32
+    decode_lens: torch.Tensor            # [Td] int32
+    prefill_rows: torch.Tensor | None    # [Tp, 1, W + image tokens] int32
+    prefill_lens: torch.Tensor | None    # [Tp] int32
+    gather_lens: torch.Tensor | None     # [P] int32
+    left_visible: torch.Tensor | None = None
+    right_visible: torch.Tensor | None = None
+
+
 class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
     """vLLM's ``DeepseekSparseSWAFlashMLAMetadataBuilder`` whose rows come from the
     library's ops, written into vLLM's own persistent buffers: the token map,
@@ -131,6 +145,8 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
     split, the validity mask, the host slices and the FlashMLA tile-scheduler
     holders are vLLM's. ``update_draft_decode_metadata`` refreshes the decode
     rows with the same ops from the metadata's device arrays."""
+
+    _step_views = None          # (block table, step metadata) handed over by the one-launch step
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -143,12 +159,54 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
         num_decodes, num_prefills, nd, npt = dsv4_cupy.split_decodes_and_prefills(
             cm.query_start_loc_cpu[:cm.num_reqs + 1], self.decode_threshold,
             num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len)
+        causal = bool(cm.causal)
+        step = served_step(self, cm) if causal and replay_start is None else None
+        rows = (self._step_rows(cm, step, nd) if step is not None else
+                self._rows(cm, num_decodes, num_prefills, nd, npt, causal, replay_start))
+        prefill = {}
+        if num_prefills:
+            prefill = dict(
+                prefill_seq_lens=seq[num_decodes:],
+                prefill_seq_lens_cpu=cm.seq_lens_cpu_upper_bound[num_decodes:],
+                prefill_gather_lens=rows.gather_lens,
+                prefill_query_lens_cpu=(
+                    cm.query_start_loc_cpu[num_decodes + 1:num_decodes + num_prefills + 1]
+                    - cm.query_start_loc_cpu[num_decodes:num_decodes + num_prefills]
+                ).to(dtype=torch.int32),
+                prefill_window_size=self.window_size, prefill_max_model_len=self.max_model_len,
+                prefill_max_num_batched_tokens=self.max_num_batched_tokens)
+        return DeepseekSparseSWAMetadata(
+            seq_lens=seq, query_start_loc=qsl, query_start_loc_cpu=cm.query_start_loc_cpu,
+            block_table=table, slot_mapping=cm.slot_mapping, is_valid_token=rows.is_valid,
+            token_to_req_indices=rows.token_map, decode_swa_indices=rows.decode_rows,
+            decode_swa_lens=rows.decode_lens,
+            decode_swa_width=self.window_size if causal else self.noncausal_index_width,
+            prefill_swa_indices=rows.prefill_rows, prefill_swa_lens=rows.prefill_lens,
+            prefill_left_visible=rows.left_visible, prefill_right_visible=rows.right_visible,
+            replay_start=self.no_replay_start if replay_start is None else replay_start,
+            block_size=self.block_size, num_decodes=num_decodes, num_prefills=num_prefills,
+            num_decode_tokens=nd, num_prefill_tokens=npt,
+            max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
+            **self._tile_schedulers(nd), **prefill)
+
+    def _step_rows(self, cm, step, nd) -> SWARows:
+        """The rows the one-launch step built (empty views of vLLM's buffers for
+        no decode token, as vLLM's build gives)."""
+        decode = ((step.swa_decode_indices, step.swa_decode_lens) if nd else
+                  (self.decode_swa_indices[:0], self.decode_swa_lens[:0]))
+        return SWARows(cm._token_to_req_indices_cache[:cm.num_actual_tokens],
+                       step.is_valid_token, *decode, step.swa_prefill_indices,
+                       step.swa_prefill_lens, step.prefill_gather_lens)
+
+    def _rows(self, cm, num_decodes, num_prefills, nd, npt, causal, replay_start) -> SWARows:
+        """The step's rows by the library's ops, into vLLM's buffers."""
+        qsl, seq = cm.query_start_loc, cm.seq_lens
         token_map = step_token_map(cm, self.token_to_req_indices)
         is_valid = self.is_valid_token[:cm.slot_mapping.shape[0]]
         torch.ge(cm.slot_mapping, 0, out=is_valid)
         rows = dict(query_start_loc=qsl, seq_lens=seq, token_to_req_indices=token_map,
-                    is_valid_token=is_valid, block_table=table, block_size=self.block_size)
-        causal = bool(cm.causal)
+                    is_valid_token=is_valid, block_table=cm.block_table_tensor,
+                    block_size=self.block_size)
         decode_rows = self.decode_swa_indices
         if nd:
             self.decode_swa_lens[nd:] = 0
@@ -172,34 +230,12 @@ class Dsv4CupySWAMetadataBuilder(DeepseekSparseSWAFlashMLAMetadataBuilder):
                 index_width=self.prefill_index_width, left_visible=left, right_visible=right,
                 replay_start=replay_start, out=(self.prefill_swa_indices, self.prefill_swa_lens),
                 **rows)
-        prefill = {}
-        if num_prefills:
-            prefill = dict(
-                prefill_seq_lens=seq[num_decodes:],
-                prefill_seq_lens_cpu=cm.seq_lens_cpu_upper_bound[num_decodes:],
-                prefill_gather_lens=dsv4_cupy.compute_prefill_gather_lens(
-                    qsl, seq, num_decodes, num_prefills, self.window_size,
-                    replay_start=replay_start),
-                prefill_query_lens_cpu=(
-                    cm.query_start_loc_cpu[num_decodes + 1:num_decodes + num_prefills + 1]
-                    - cm.query_start_loc_cpu[num_decodes:num_decodes + num_prefills]
-                ).to(dtype=torch.int32),
-                prefill_window_size=self.window_size, prefill_max_model_len=self.max_model_len,
-                prefill_max_num_batched_tokens=self.max_num_batched_tokens)
-        return DeepseekSparseSWAMetadata(
-            seq_lens=seq, query_start_loc=qsl, query_start_loc_cpu=cm.query_start_loc_cpu,
-            block_table=table, slot_mapping=cm.slot_mapping, is_valid_token=is_valid,
-            token_to_req_indices=token_map, decode_swa_indices=decode_rows[:nd],
-            decode_swa_lens=self.decode_swa_lens[:nd],
-            decode_swa_width=self.window_size if causal else self.noncausal_index_width,
-            prefill_swa_indices=self.prefill_swa_indices[:npt] if npt else None,
-            prefill_swa_lens=self.prefill_swa_lens[:npt] if npt else None,
-            prefill_left_visible=left, prefill_right_visible=right,
-            replay_start=self.no_replay_start if replay_start is None else replay_start,
-            block_size=self.block_size, num_decodes=num_decodes, num_prefills=num_prefills,
-            num_decode_tokens=nd, num_prefill_tokens=npt,
-            max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
-            **self._tile_schedulers(nd), **prefill)
+        gather_lens = dsv4_cupy.compute_prefill_gather_lens(
+            qsl, seq, num_decodes, num_prefills, self.window_size,
+            replay_start=replay_start) if num_prefills else None
+        return SWARows(token_map, is_valid, decode_rows[:nd], self.decode_swa_lens[:nd],
+                       self.prefill_swa_indices[:npt] if npt else None,
+                       self.prefill_swa_lens[:npt] if npt else None, gather_lens, left, right)
 
     def update_draft_decode_metadata(self, metadata):
         """vLLM's capture-safe refresh of a draft step's decode rows (validity,
