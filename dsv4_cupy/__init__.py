@@ -20,6 +20,7 @@ from .indexer_gather import cp_gather_indexer_k_quant_cache
 from .indexer_insert import indexer_k_quant_and_cache
 from .indexer_prefill import build_indexer_prefill_chunk_metadata
 from .k_cache_gather import dequantize_and_gather_k_cache, dequantize_and_gather_prefill_kv
+from .k_cache_select import dequantize_and_gather_selected_kv, selected_gather_scratch_len
 from .k_cache_insert import quantize_and_insert_k_cache
 from .kinds import to_torch
 from .kv_cache import KVCacheLayout, empty_kv_cache, kv_cache_layout, kv_cache_view
@@ -56,7 +57,8 @@ __all__ = [
     "build_c128a_combined_prefill_rows", "compute_image_visibility", "image_span_csr",
     "get_dspark_swa_index_width",
     "set_programmatic_launch", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
-    "dequantize_and_gather_prefill_kv", "indexer_k_quant_and_cache",
+    "dequantize_and_gather_prefill_kv", "dequantize_and_gather_selected_kv",
+    "selected_gather_scratch_len", "indexer_k_quant_and_cache",
     "cp_gather_indexer_k_quant_cache", "KVCacheLayout", "kv_cache_layout", "kv_cache_view",
     "empty_kv_cache", "split_indexer_prefill_chunks", "indexer_prefill_workspace_rows",
     "indexer_prefill_chunk_tokens",

@@ -26,6 +26,7 @@ MODULE_NAMES = (
     "step_kernel",
     "k_cache_insert",
     "k_cache_gather",
+    "k_cache_select",
     "indexer_insert",
     "indexer_gather",
 )

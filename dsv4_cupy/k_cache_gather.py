@@ -4,7 +4,7 @@ paged fp8_ds_mla caches into a bf16 workspace; and
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from . import checks, fp8, validation
 from .cpu import ParallelKernel, div_trunc
@@ -32,6 +32,41 @@ PARAMS = Params("KCacheGatherParams", [
 OUT_ROW_ALIGNMENT = 8
 
 
+@njit(cache=True)
+def cpu_gather_position(out, target, cache, table, row_stride, cols, page_stride, num_pages,
+                        block_size, b, position):
+    """Row ``position`` of request b's rows in a cache into ``out[target:]``
+    (kernels/k_cache_gather.cuh's gather_state); nothing for a block outside the
+    table or the cache."""
+    column = position // block_size
+    if column >= cols:
+        return
+    page = np.int64(table[b * row_stride + column])
+    if page < 0 or page >= num_pages:
+        return
+    state = position - column * block_size
+    base = page * page_stride
+    record = base + state * FP8_RECORD_BYTES
+    scales = base + block_size * FP8_RECORD_BYTES + state * SCALE_RECORD_BYTES
+    for d in range(NOPE_HEAD_DIM):
+        out[target + d] = fp8.dequantized(cache[record + d], cache[scales + d // QUANT_TILE])
+    for d in range(HEAD_SIZE - NOPE_HEAD_DIM):        # the RoPE dims, as they are
+        out[target + NOPE_HEAD_DIM + d] = (
+            np.uint16(cache[record + NOPE_HEAD_DIM + 2 * d])
+            | (np.uint16(cache[record + NOPE_HEAD_DIM + 2 * d + 1]) << 8))
+
+
+@njit(cache=True)
+def cpu_request_row_position(seq_len, ratio, gather_lens, b, first_row, row):
+    """The position in its source's rows of out row ``row`` of request b, or -1
+    (outside G or the request's rows): gather_request_row's rule."""
+    seq = div_trunc(np.int64(seq_len), ratio)
+    gathered = np.int64(gather_lens[b]) if gather_lens.shape[0] else seq
+    i = row - first_row
+    position = seq - gathered + i
+    return -1 if i >= gathered or position < 0 else position
+
+
 @ParallelKernel
 def cpu_dequantize_and_gather_k_cache(out, seq_lens, out_request_stride, out_row_stride,
                                       num_reqs, rows, num_sources, first, second):
@@ -50,36 +85,17 @@ def cpu_dequantize_and_gather_k_cache(out, seq_lens, out_request_stride, out_row
     first_rows = (first.first_row, second.first_row)
     for b in prange(num_reqs):
         for s in range(num_sources):
-            cache, table, lens_of = caches[s], entries[s], lens[s]
-            block_size, first_row = block_sizes[s], first_rows[s]
-            end_row = first_rows[1] if s == 0 and num_sources > 1 else rows
-            seq = div_trunc(np.int64(seq_lens[b]), ratios[s])
-            gathered = np.int64(lens_of[b]) if lens_of.shape[0] else seq
             if b >= table_rows[s]:
                 continue
-            for row in range(first_row, end_row):
-                i = row - first_row
-                position = seq - gathered + i
-                if i >= gathered or position < 0:
-                    continue
-                column = position // block_size
-                if column >= cols[s]:
-                    continue
-                page = np.int64(table[b * row_strides[s] + column])
-                if page < 0 or page >= num_pages[s]:
-                    continue
-                state = position - column * block_size
-                base = page * page_strides[s]
-                record = base + state * FP8_RECORD_BYTES
-                scales = base + block_size * FP8_RECORD_BYTES + state * SCALE_RECORD_BYTES
-                target = b * out_request_stride + row * out_row_stride
-                for d in range(NOPE_HEAD_DIM):
-                    out[target + d] = fp8.dequantized(cache[record + d],
-                                                      cache[scales + d // QUANT_TILE])
-                for d in range(HEAD_SIZE - NOPE_HEAD_DIM):        # the RoPE dims, as they are
-                    out[target + NOPE_HEAD_DIM + d] = (
-                        np.uint16(cache[record + NOPE_HEAD_DIM + 2 * d])
-                        | (np.uint16(cache[record + NOPE_HEAD_DIM + 2 * d + 1]) << 8))
+            end_row = first_rows[1] if s == 0 and num_sources > 1 else rows
+            for row in range(first_rows[s], end_row):
+                position = cpu_request_row_position(seq_lens[b], ratios[s], lens[s], b,
+                                                    first_rows[s], row)
+                if position >= 0:
+                    cpu_gather_position(out, b * out_request_stride + row * out_row_stride,
+                                        caches[s], entries[s], row_strides[s], cols[s],
+                                        page_strides[s], num_pages[s], block_sizes[s], b,
+                                        position)
 
 
 FAMILY = KernelFamily("k_cache_gather.cuh", "dequantize_and_gather_k_cache", PARAMS)

@@ -47,15 +47,12 @@ __device__ __forceinline__ uint4 dequantized_chunk(uint2 values, unsigned long l
                       bf16[4] | ((unsigned)bf16[5] << 16), bf16[6] | ((unsigned)bf16[7] << 16));
 }
 
-// Position `position` of the request whose table row is `table_row`, into
-// out_row: every load first (the stores cannot hold them up), then the stores.
-__device__ __forceinline__ void gather_row(const KCacheSource& s, const int* __restrict__ table_row,
-                                           i64 position, unsigned short* __restrict__ out_row, int lane) {
-    const i64 column = quotient(position, s.block_size);
-    if (column >= s.table.cols) return;
-    const i64 page = table_row[column];
+// State `state` of page `page` (an entry of the source's table) into out_row,
+// nothing for a page outside the cache: every load first (the stores cannot
+// hold them up), then the stores.
+__device__ __forceinline__ void gather_state(const KCacheSource& s, i64 page, i64 state,
+                                             unsigned short* __restrict__ out_row, int lane) {
     if (page < 0 || page >= s.num_pages) return;
-    const i64 state = position - column * s.block_size;
     const unsigned char* __restrict__ page_base = s.cache + page * s.page_stride;
     const unsigned char* __restrict__ record = page_base + state * DSV4_FP8_RECORD;
     const unsigned long long scales = *reinterpret_cast<const unsigned long long*>(
@@ -76,20 +73,43 @@ __device__ __forceinline__ void gather_row(const KCacheSource& s, const int* __r
                                    : second;
 }
 
+// Row `row` of request b's output (out_row): the source whose rows it holds,
+// its row i there, the position of that row in the request's rows; nothing
+// when that is outside G, the request's rows or the source's table. A source
+// gathered whole (no gather_lens) has row i at position i: its table entry is
+// read beside seq_lens, not after it (one dependent load fewer).
+__device__ __forceinline__ void gather_request_row(const KCacheSource& first, const KCacheSource& second,
+                                                   i64 num_sources, const int* __restrict__ seq_lens,
+                                                   i64 b, i64 row, unsigned short* __restrict__ out_row,
+                                                   int lane) {
+    const KCacheSource& s = (num_sources > 1 && row >= second.first_row) ? second : first;
+    if (b >= s.table.rows) return;
+    const int* __restrict__ table_row = s.table.entries + b * s.table.row_stride;
+    const i64 i = row - s.first_row;
+    if (s.gather_lens == nullptr) {
+        const i64 column = quotient(i, s.block_size);
+        if (column >= s.table.cols) return;
+        const i64 page = table_row[column];
+        if (i >= quotient((i64)seq_lens[b], s.ratio)) return;
+        gather_state(s, page, i - column * s.block_size, out_row, lane);
+        return;
+    }
+    const i64 gathered = s.gather_lens[b];
+    const i64 position = quotient((i64)seq_lens[b], s.ratio) - gathered + i;
+    if (i >= gathered || position < 0) return;
+    const i64 column = quotient(position, s.block_size);
+    if (column >= s.table.cols) return;
+    gather_state(s, table_row[column], position - column * s.block_size, out_row, lane);
+}
+
 __device__ __forceinline__ void dequantize_and_gather_k_cache(const KCacheGatherParams& p,
                                                               const Blocks& blocks = whole_grid()) {
     const WarpRows warps(blocks);
     const i64 span = p.rows - p.first.first_row;              // rows of a request some source fills
     for (i64 item = warps.first; item < p.num_reqs * span; item += warps.step) {
         const i64 b = quotient(item, span), row = p.first.first_row + (item - b * span);
-        const KCacheSource& s = (p.num_sources > 1 && row >= p.second.first_row) ? p.second : p.first;
-        const i64 seq = quotient((i64)p.seq_lens[b], s.ratio);
-        const i64 gathered = s.gather_lens ? (i64)s.gather_lens[b] : seq;
-        const i64 i = row - s.first_row;
-        const i64 position = seq - gathered + i;
-        if (i >= gathered || position < 0 || b >= s.table.rows) continue;
-        gather_row(s, s.table.entries + b * s.table.row_stride, position,
-                   p.out + b * p.out_request_stride + row * p.out_row_stride, warps.lane);
+        gather_request_row(p.first, p.second, p.num_sources, p.seq_lens, b, row,
+                           p.out + b * p.out_request_stride + row * p.out_row_stride, warps.lane);
     }
 }
 

@@ -388,6 +388,22 @@ def fp8_ds_mla_gather(out, pages, seq_lens, gather_lens, block_table, block_size
                               for d in range(ROPE)])
 
 
+def selected_gather(workspace, indices, lens, out_rows: int):
+    """The full workspace's rows that the indices name, compacted: workspace
+    [R][M][512] (lists, a full gather's result), indices [T][width] naming rows
+    b * M + row, lens [T] valid entries. Returns (compact rows, in row order,
+    at most out_rows; remapped [T][width]: an entry's compact row, -1 past lens,
+    outside the workspace or past out_rows; the number of named rows)."""
+    flat = [row for request in workspace for row in request]
+    named = sorted({indices[t][j] for t in range(len(indices)) for j in range(
+        min(lens[t], len(indices[t]))) if 0 <= indices[t][j] < len(flat)})
+    rank = {row: k for k, row in enumerate(named)}
+    remapped = [[rank.get(indices[t][j], -1) if j < lens[t] else -1 for j in range(len(row))]
+                for t, row in enumerate(indices)]
+    remapped = [[k if k < out_rows else -1 for k in row] for row in remapped]
+    return [flat[row] for row in named[:out_rows]], remapped, len(named)
+
+
 def indexer_insert(k_bits, pages, slot_mapping, block_size: int, scale_fmt: str) -> None:
     """k_bits [T][128] into indexer pages (lists of bytes): amax over the non-NaN
     |x| (floor 1e-4), scale f32(amax / 448), for ue8m0/mxfp8 2^ceil(log2);

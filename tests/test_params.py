@@ -13,7 +13,7 @@ from dsv4_cupy import c128a, families, loader, params, token_map
 from dsv4_cupy.family import KernelFamily
 
 C_TYPES = {params.PTR: {"const int*", "int*", "long long*", "const long long*", "const void*",
-                        "unsigned char*", "const unsigned char*", "unsigned short*",
+                        "unsigned char*", "unsigned int*", "const unsigned char*", "unsigned short*",
                         "const unsigned short*"},
            params.I64: {"i64", "long long"}, params.I32: {"int"}}
 

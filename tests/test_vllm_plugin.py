@@ -132,7 +132,7 @@ def test_the_adapters_conversion_launches_nothing_more_and_never_syncs(ratio):
     library = d4.DeepseekV4MetadataBuilder(ratio, 1 << 18, 64, num_speculative_tokens=1,
                                            like="torch")
     cm = types.SimpleNamespace(**vars(common_metadata(batch, "torch_cuda")),
-                               seq_lens_cpu_upper_bound=None, _token_to_req_indices_cache=None)
+                               _token_to_req_indices_cache=None)
     bare = graph_kernel_nodes(lambda: library.build(0, library_cm(cm)))
     adapter = graph_kernel_nodes(lambda: flashmla_build(library, cm, vllm_metadata))
     assert (bare, adapter) == (1, 1 + 1)
