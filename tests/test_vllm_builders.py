@@ -477,13 +477,39 @@ def test_the_one_launch_step_equals_vllms_per_group_builds(config, monkeypatch, 
             assert torch.equal(mine, vllms)      # the compressed groups' tables clamped
 
 
+def test_a_step_the_step_builder_refuses_builds_per_group(config, monkeypatch, caplog):
+    """A C4A table wider than the step builder takes (cdiv(max_model_len, 256)
+    columns): the step is built per group, as vLLM's builders build it."""
+    import logging
+
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+
+    from dsv4_cupy.vllm.step import wrap
+    vllm_config, _ = config
+    monkeypatch.setattr(vllm_config.compilation_config, "cudagraph_mode", CUDAGraphMode.NONE)
+    args = runner_step(np.random.default_rng(31), 2, 1, [50], 1, 0)
+    c4a = list(GROUP_BLOCKS).index(4)
+    args["block_tables"][c4a] = torch.nn.functional.pad(args["block_tables"][c4a], (0, 3))
+    want = build_attn_metadata(attention_groups(config, 0), **copy.deepcopy(args))
+    with caplog.at_level(logging.INFO, logger="vllm.dsv4_cupy"):
+        got = wrap(build_attn_metadata)(attention_groups(config, 1), **copy.deepcopy(args))
+    assert "per-group builds for a step the step builder refuses" in caplog.text
+    for layer in want:
+        if "indexer" not in layer:
+            assert_same(got[layer], want[layer])
+
+
 def test_the_runner_modules_get_the_step_once(monkeypatch):
-    import vllm.v1.worker.gpu.model_states.default as runner
+    import importlib
 
     from dsv4_cupy.vllm import step
-    monkeypatch.setattr(runner, "build_attn_metadata", runner.build_attn_metadata)
-    original = runner.build_attn_metadata
+    modules = [importlib.import_module(name) for name in step.RUNNER_MODULES]
+    originals = [module.build_attn_metadata for module in modules]
+    for module, original in zip(modules, originals):
+        monkeypatch.setattr(module, "build_attn_metadata", original)
     step.install()
     step.install()
-    assert runner.build_attn_metadata.wrapped_by_dsv4_cupy
-    assert runner.build_attn_metadata.__wrapped__ is original
+    for module, original in zip(modules, originals):
+        assert module.build_attn_metadata.wrapped_by_dsv4_cupy
+        assert module.build_attn_metadata.__wrapped__ is original

@@ -16,7 +16,8 @@ what vLLM reads:
 - it carries what the step builder does not build (non-causal drafts,
   image spans, SWA replay prefixes, model-specific kwargs, DCP, images'
   wider SWA rows), or a subset of the groups (a speculator's);
-- a group kind appears in more than one KV-cache group.
+- a group kind appears in more than one KV-cache group;
+- the step builder refuses its arrays (it raises before any write).
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 import dsv4_cupy
 from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
 
-from .builders import (Dsv4CupyFlashMLAMetadataBuilder, Dsv4CupyIndexerMetadataBuilder,
-                       Dsv4CupySWAMetadataBuilder, say_once)
+from .builders import Dsv4CupyFlashMLAMetadataBuilder, Dsv4CupySWAMetadataBuilder, say_once
 from .convert import flashmla_metadata
 
 #: The runner modules that import ``build_attn_metadata`` by name.
@@ -43,9 +43,8 @@ STEP_GROUPS = ("c128a", "c4a", "swa")
 
 
 def step_groups(attn_groups, ubatch_idx: int) -> dict | None:
-    """The step's C128A, C4A and SWA groups, ``{name: (kv_cache_group, builder)}``,
-    plus the indexer's KV-cache group if any; None unless each of the three is
-    one plugin builder in one KV-cache group."""
+    """The step's C128A, C4A and SWA groups, ``{name: (kv_cache_group, builder)}``;
+    None unless each is one plugin builder in one KV-cache group."""
     found: dict = {}
     for index, groups in enumerate(attn_groups):
         for attn_group in groups:
@@ -59,14 +58,12 @@ def step_groups(attn_groups, ubatch_idx: int) -> dict | None:
                 name = "c128a" if builder.compress_ratio == 128 else "c4a"
             elif isinstance(builder, Dsv4CupySWAMetadataBuilder):
                 name = "swa"
-            elif isinstance(builder, Dsv4CupyIndexerMetadataBuilder):
-                name = "indexer"
             else:
                 continue
             if name in found:
                 return None
             found[name] = (index, builder)
-    return found if all(name in found for name in STEP_GROUPS) else None
+    return found if len(found) == len(STEP_GROUPS) else None
 
 
 def full_graph_support(attn_groups, ubatch_idx: int, c128a) -> AttentionCGSupport | None:
@@ -140,7 +137,7 @@ def build_step(args: dict, groups: dict) -> None:
             seq_lens_cpu_upper_bound=None if upper is None else upper[:num_reqs])
 
     cms = {name: group_cm(index) for name, (index, _) in groups.items()}
-    cms.setdefault("indexer", cms["c4a"])
+    cms["indexer"] = cms["c4a"]     # the indexer group builds on its own: its sections unread
     for name in ("c128a", "c4a"):                # vLLM's builders clamp before reading
         cms[name].block_table_tensor.clamp_(min=0)
     c128a, swa = groups["c128a"][1], groups["swa"][1]
@@ -172,12 +169,16 @@ def wrap(build_attn_metadata):
             if groups is not None:
                 say_once(f"per-group builds for a step: {refusal}")
             return build_attn_metadata(*positional, **named)
-        build_step(args, groups)
+        try:
+            build_step(args, groups)
+        except (TypeError, ValueError) as error:    # raised before any write
+            say_once(f"per-group builds for a step the step builder refuses: {error}")
+            return build_attn_metadata(*positional, **named)
         try:
             return build_attn_metadata(*positional, **named)
         finally:
-            for name in STEP_GROUPS:
-                groups[name][1]._step_views = None
+            for _, builder in groups.values():
+                builder._step_views = None
 
     build_attn_metadata_in_one_launch.wrapped_by_dsv4_cupy = True
     return build_attn_metadata_in_one_launch
