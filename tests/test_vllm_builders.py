@@ -37,6 +37,8 @@ from vllm.models.deepseek_v4.attention import (DeepseekV4Attention,  # noqa: E40
 from vllm.models.deepseek_v4.nvidia.flashmla import (  # noqa: E402
     DeepseekSparseSWAFlashMLABackend, DeepseekSparseSWAFlashMLAMetadataBuilder)
 from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache  # noqa: E402
+from vllm.models.deepseek_v4.compressor import (CompressorBackend,  # noqa: E402
+                                                CompressorMetadataBuilder, CompressorStateCache)
 from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
     DeepseekV4IndexerBackend, DeepseekV32IndexerMetadataBuilder)
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache  # noqa: E402
@@ -47,7 +49,8 @@ from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 
-from dsv4_cupy.vllm.builders import (Dsv4CupyFlashMLAMetadataBuilder,  # noqa: E402
+from dsv4_cupy.vllm.builders import (Dsv4CupyCompressorMetadataBuilder,  # noqa: E402
+                                     Dsv4CupyFlashMLAMetadataBuilder,
                                      Dsv4CupyIndexerMetadataBuilder, Dsv4CupySWAMetadataBuilder)
 
 pytestmark = pytest.mark.vllm
@@ -85,6 +88,11 @@ def config():
             head_dim=hf.head_dim, window_size=hf.sliding_window, dtype=torch_dtype,
             prefix="model.layers.0.attn.swa_cache", cache_config=vllm_config.cache_config,
             backend_cls=DeepseekSparseSWAFlashMLABackend).get_kv_cache_spec(vllm_config)
+        for ratio, state_dim in ((4, 1024), (128, 512)):
+            specs[f"compressor{ratio}"] = CompressorStateCache(
+                state_dim=state_dim, dtype=torch.float32, compress_ratio=ratio,
+                prefix=f"model.layers.{ratio}.attn.compressor.state").get_kv_cache_spec(
+                    vllm_config)
         specs["indexer"] = DeepseekV4IndexerCache(
             head_dim=hf.index_head_dim + hf.index_head_dim // 128 * 4, dtype=torch.uint8,
             prefix="model.layers.3.attn.indexer.k_cache", cache_config=vllm_config.cache_config,
@@ -93,10 +101,13 @@ def config():
 
 
 def builders(config, ratio):
-    """vLLM's builder and the plugin's for the C4A (4), C128A (128) or SWA ("swa") group."""
+    """vLLM's builder and the plugin's for the C4A (4), C128A (128), SWA ("swa"),
+    indexer or compressor-state ("compressor4", "compressor128") group."""
     vllm_config, specs = config
+    compressor = (CompressorMetadataBuilder, Dsv4CupyCompressorMetadataBuilder)
     classes = {"swa": (DeepseekSparseSWAFlashMLAMetadataBuilder, Dsv4CupySWAMetadataBuilder),
-               "indexer": (DeepseekV32IndexerMetadataBuilder, Dsv4CupyIndexerMetadataBuilder)}
+               "indexer": (DeepseekV32IndexerMetadataBuilder, Dsv4CupyIndexerMetadataBuilder),
+               "compressor4": compressor, "compressor128": compressor}
     theirs, ours = classes.get(ratio, (DeepseekV4FlashMLAMetadataBuilder,
                                        Dsv4CupyFlashMLAMetadataBuilder))
     extra = {"block_table_width": -(-MAX_MODEL_LEN // BLOCK)} if ratio == "indexer" else {}
@@ -186,6 +197,24 @@ def test_the_swa_builder_equals_vllms(config, replay):
         want = theirs.build(0, copy.copy(cm), replay_start=start)
         got = ours.build(0, copy.copy(cm), replay_start=start)
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_the_compressor_builder_equals_vllms(config, ratio):
+    """The compressors' state-cache builder: the library's token map (built, or
+    the one an earlier group cached), vLLM's clamp, split and C128 boundary."""
+    theirs, ours = builders(config, f"compressor{ratio}")
+    rng = np.random.default_rng(19 + ratio)
+    for decodes, depth, prefills, pad, zero_rows in STEPS:
+        cm = random_batch(rng, decodes, depth, prefills, pad, zero_rows, block=ours.block_size)
+        cm_ours = copy.copy(cm)
+        cm_ours.block_table_tensor = cm.block_table_tensor.clone()
+        want, got = theirs.build(0, cm), ours.build(0, cm_ours)
+        assert type(got) is type(want)
+        for field in dataclasses.fields(want):
+            a, b = getattr(got, field.name), getattr(want, field.name)
+            assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b, field.name
+        assert torch.equal(cm_ours.block_table_tensor, cm.block_table_tensor)
 
 
 def test_the_swa_draft_refresh_equals_vllms(config):
@@ -306,20 +335,18 @@ def test_a_capture_batch_gets_the_capacity_width(config):
 def test_the_runner_builds_the_patched_class(config, monkeypatch):
     from dsv4_cupy.vllm import builders as plugin_builders
     vllm_config, specs = config
-    monkeypatch.setattr(DeepseekV4FlashMLABackend, "get_builder_cls",
-                        DeepseekV4FlashMLABackend.get_builder_cls)
-    monkeypatch.setattr(DeepseekSparseSWAFlashMLABackend, "get_builder_cls",
-                        DeepseekSparseSWAFlashMLABackend.get_builder_cls)
-    plugin_builders.install()
-    monkeypatch.setattr(DeepseekV4IndexerBackend, "get_builder_cls",
-                        DeepseekV4IndexerBackend.get_builder_cls)
     import vllm.v1.attention.backends.mla.indexer as indexer
+    for backend in (DeepseekV4FlashMLABackend, DeepseekSparseSWAFlashMLABackend,
+                    DeepseekV4IndexerBackend, CompressorBackend):
+        monkeypatch.setattr(backend, "get_builder_cls", backend.get_builder_cls)
     for name in ("get_compressed_slot_mapping", "build_prefill_chunk_metadata"):
         monkeypatch.setattr(indexer, name, getattr(indexer, name))
+    plugin_builders.install()                # undone by the monkeypatches above
     for backend, spec, block, cls in (
             (DeepseekV4FlashMLABackend, specs[128], BLOCK, Dsv4CupyFlashMLAMetadataBuilder),
             (DeepseekSparseSWAFlashMLABackend, specs["swa"], 64, Dsv4CupySWAMetadataBuilder),
-            (DeepseekV4IndexerBackend, specs["indexer"], BLOCK, Dsv4CupyIndexerMetadataBuilder)):
+            (DeepseekV4IndexerBackend, specs["indexer"], BLOCK, Dsv4CupyIndexerMetadataBuilder),
+            (CompressorBackend, specs["compressor4"], None, Dsv4CupyCompressorMetadataBuilder)):
         group = AttentionGroup(backend, ["layer"], spec, kv_cache_group_id=0)
         with set_current_vllm_config(vllm_config):
             group.create_metadata_builders(vllm_config, torch.device("cpu"),

@@ -5,6 +5,7 @@ import logging
 from typing import NamedTuple
 
 import torch
+from vllm.models.deepseek_v4.compressor import CompressorBackend, CompressorMetadataBuilder
 from vllm.models.deepseek_v4.nvidia.flashmla import (DeepseekSparseSWAFlashMLABackend,
                                                      DeepseekSparseSWAFlashMLAMetadataBuilder)
 from vllm.models.deepseek_v4.sparse_mla import (DeepseekV4FlashMLABackend,
@@ -337,6 +338,17 @@ class Dsv4CupyIndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
         return lens, rows, ones, num_decode_tokens, False
 
 
+class Dsv4CupyCompressorMetadataBuilder(CompressorMetadataBuilder):
+    """vLLM's ``CompressorMetadataBuilder`` (the compressors' state caches)
+    whose one kernel, the token map, is the library's (cached on the step's
+    metadata, or made there when no group made it before); the clamp of the
+    table, the split and the C128 boundary are vLLM's."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        step_token_map(common_attn_metadata, self.token_to_req_indices)
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+
 _vllm_build_prefill_chunk_metadata = indexer.build_prefill_chunk_metadata
 
 
@@ -381,22 +393,18 @@ def build_prefill_chunk_metadata(start_idx, end_idx, query_start_loc, query_star
 
 
 def install() -> dict:
-    """Patch the backends' ``get_builder_cls``; what was patched, by name."""
-    DeepseekV4FlashMLABackend.get_builder_cls = staticmethod(
-        lambda: Dsv4CupyFlashMLAMetadataBuilder)
-    DeepseekSparseSWAFlashMLABackend.get_builder_cls = staticmethod(
-        lambda: Dsv4CupySWAMetadataBuilder)
-    DeepseekV4IndexerBackend.get_builder_cls = staticmethod(
-        lambda: Dsv4CupyIndexerMetadataBuilder)
-    indexer.get_compressed_slot_mapping = dsv4_cupy.get_compressed_slot_mapping
-    indexer.build_prefill_chunk_metadata = build_prefill_chunk_metadata
-    return {
-            "vllm.v1.attention.backends.mla.indexer.DeepseekV4IndexerBackend.get_builder_cls":
-            f"{__name__}.Dsv4CupyIndexerMetadataBuilder",
-            "vllm.v1.attention.backends.mla.indexer.get_compressed_slot_mapping":
-            "dsv4_cupy.get_compressed_slot_mapping",
-            "vllm.v1.attention.backends.mla.indexer.build_prefill_chunk_metadata":
-            f"{__name__}.build_prefill_chunk_metadata","vllm.models.deepseek_v4.sparse_mla.DeepseekV4FlashMLABackend.get_builder_cls":
-            f"{__name__}.Dsv4CupyFlashMLAMetadataBuilder",
-            "vllm.models.deepseek_v4.nvidia.flashmla.DeepseekSparseSWAFlashMLABackend"
-            ".get_builder_cls": f"{__name__}.Dsv4CupySWAMetadataBuilder"}
+    """Patch the backends' ``get_builder_cls`` and the indexer module's
+    functions; what was patched, by name."""
+    replaced = {}
+    for backend, builder in ((DeepseekV4FlashMLABackend, Dsv4CupyFlashMLAMetadataBuilder),
+                             (DeepseekSparseSWAFlashMLABackend, Dsv4CupySWAMetadataBuilder),
+                             (DeepseekV4IndexerBackend, Dsv4CupyIndexerMetadataBuilder),
+                             (CompressorBackend, Dsv4CupyCompressorMetadataBuilder)):
+        backend.get_builder_cls = staticmethod(lambda builder=builder: builder)
+        replaced[f"{backend.__module__}.{backend.__name__}.get_builder_cls"] = \
+            f"{__name__}.{builder.__name__}"
+    for name, function in (("get_compressed_slot_mapping", dsv4_cupy.get_compressed_slot_mapping),
+                           ("build_prefill_chunk_metadata", build_prefill_chunk_metadata)):
+        setattr(indexer, name, function)
+        replaced[f"{indexer.__name__}.{name}"] = f"{function.__module__}.{name}"
+    return replaced
