@@ -6,6 +6,8 @@
 2. One prefill chunk's workspace is gathered and dequantised for the sparse
    prefill: the compressed rows at [0, N), the last gather_len SWA rows from N,
    both caches in one call (dequantize_and_gather_prefill_kv).
+   Or only the rows its tokens' top-k and windows name, into a compact
+   workspace, the indices remapped into it (dequantize_and_gather_selected_kv).
 3. The workspace goes to torch without a copy (dsv4_cupy.to_torch), viewed as
    bf16.
 
@@ -18,7 +20,7 @@ import numpy as np
 
 import dsv4_cupy as d4
 
-RATIO, SWA_BLOCK, C4A_BLOCK = 4, 64, 64
+RATIO, SWA_BLOCK, C4A_BLOCK, WINDOW, TOPK = 4, 64, 64, 128, 16
 PREFILL_PREFIX, PREFILL_LEN = 1000, 200            # one request: 1000 cached, 200 new tokens
 
 
@@ -65,6 +67,23 @@ def main():
     assert (workspace[0, N:, 448:] == kv[seq_len - int(gather_lens[0]):, 448:]).all()
     print(f"workspace {workspace.shape}: {N} compressed rows (NoPE error {nope_error:.3f}), "
           f"{int(gather_lens[0])} SWA rows (RoPE exact)")
+
+    #    Or only the named rows: each token's top-k compressed rows (here random
+    #    among those its position sees) and its window, combined as the sparse
+    #    prefill reads them, then gathered into a compact workspace.
+    visible = np.maximum((np.arange(PREFILL_PREFIX, seq_len) + 1) // RATIO, 1)
+    local = (rng.random((PREFILL_LEN, TOPK)) * visible[:, None]).astype(np.int32)
+    combined, lens = d4.combine_topk_swa_indices(local, np.array([0, PREFILL_LEN], np.int32),
+                                                 seq_lens, gather_lens, WINDOW, RATIO, TOPK, M, N)
+    compact = np.zeros((M, 512), np.uint16)
+    remapped = np.empty_like(combined)
+    _, _, count = d4.dequantize_and_gather_selected_kv(
+        compact, remapped, combined, lens, compressed, c4a_table, swa, swa_table, seq_lens,
+        gather_lens, RATIO, N, M)
+    named = remapped >= 0
+    assert (compact[remapped[named]] == workspace.reshape(-1, 512)[combined[named]]).all()
+    print(f"selective gather: {int(count[0])} of the workspace's {M} rows named, gathered "
+          f"row for row the same")
 
     # 3. Hand it to torch, zero-copy.
     try:
