@@ -20,7 +20,7 @@ from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK
 from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
 from .step_plan import (GROUPS, LAYOUT_SECTIONS, StepLayout, StepPlan, check_group_data,
-                        check_group_metadata, check_groups, prefill_plans)
+                        check_group_metadata, check_groups, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
 
 class DeepseekV4StepMetadataBuilder:
@@ -84,6 +84,12 @@ class DeepseekV4StepMetadataBuilder:
         ``num_cache_blocks``, block ids inside the cache. For debugging.
     num_cache_blocks : int, optional
         Blocks of each group's cache (read by full validation only).
+    c128a_group : DeepseekV4MetadataBuilder, optional
+        A C128A group's builder whose buffers the step's C128A rows are written
+        into (one set of buffers for both: a caller that also builds that group
+        alone). Its own settings (block size, width policy, padding rows,
+        decode threshold, validation, kind and device) then apply to the C128A
+        rows, and the step's arguments for them are not read.
     """
 
     def __init__(self, max_model_len: int, max_num_batched_tokens: int, *,
@@ -95,8 +101,10 @@ class DeepseekV4StepMetadataBuilder:
                  max_num_compressed: int | None = None, like="numpy", device: int | None = None,
                  validate: str = "default", num_cache_blocks: int | None = None,
                  decode_threshold: int | None = None, indexer_decode_layout: str = "flat",
-                 padding_rows: str = "minus_one"):
-        group = self.c128a_group = KVCacheGroup(
+                 padding_rows: str = "minus_one", c128a_group=None):
+        group = self.c128a_group = shared_c128a_group(
+            c128a_group, max_model_len, max_num_batched_tokens) if c128a_group is not None \
+            else KVCacheGroup(
             C128A_RATIO, max_model_len, max_num_batched_tokens, block_size=block_size,
             index_topk=index_topk, num_speculative_tokens=num_speculative_tokens,
             treat_short_extends_as_decodes=treat_short_extends_as_decodes,

@@ -11,7 +11,7 @@ import numpy as np
 from . import checks, host, validation
 from .combine import PlanChunk
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
-from .group import Split, StepArrays
+from .group import KVCacheGroup, Split, StepArrays
 from .kinds import HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
 from .metadata import CommonAttentionMetadata
 from .prefill_plan import plan_chunks
@@ -67,6 +67,20 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return self.arrays.num_tokens
+
+
+def shared_c128a_group(group, max_model_len: int, max_num_batched_tokens: int) -> KVCacheGroup:
+    """A step builder's ``c128a_group``: a C128A group (a
+    ``DeepseekV4MetadataBuilder``) sized as the step."""
+    if not isinstance(group, KVCacheGroup) or group.compress_ratio != C128A_RATIO:
+        raise TypeError(f"c128a_group: expected a DeepseekV4MetadataBuilder of ratio "
+                        f"{C128A_RATIO}, got {describe(group)}")
+    if (group.max_model_len, group.max_num_batched_tokens) != (max_model_len,
+                                                               max_num_batched_tokens):
+        raise ValueError(f"c128a_group: expected max_model_len {max_model_len} and "
+                         f"max_num_batched_tokens {max_num_batched_tokens}, got "
+                         f"{group.max_model_len} and {group.max_num_batched_tokens}")
+    return group
 
 
 def check_group_metadata(common_attn_metadata) -> dict:

@@ -161,6 +161,41 @@ def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_shared_c128a_group_writes_its_own_buffers(kind, monkeypatch):
+    """c128a_group: the step's C128A rows in that builder's buffers, the same
+    results as the step's own group, one launch; a group of another ratio or
+    size refused."""
+    like = to_kind(np.zeros(1, I32), kind)
+    single = d4.DeepseekV4MetadataBuilder(128, MAX_MODEL_LEN, MAX_TOKENS,
+                                          num_speculative_tokens=SPEC, like=like)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC, like=like,
+                                               c128a_group=single)
+    assert builder.c128a_group is single
+    launches = count_launches(monkeypatch)
+    rng = np.random.default_rng(41)
+    for decodes, prefills, pad, short in STEPS:
+        cms = make_step(rng, decodes, prefills, pad, short, kind)
+        poison(builder)
+        del launches[:]
+        got = builder.build(0, cms)
+        if kind in GPU_KINDS:
+            assert len(launches) == 1
+        assert_equal(got, composition(cms, builder))
+        rows = got.c128a.c128a_global_decode_topk_indices
+        if rows is not None:
+            assert _kind(rows) == kind and d4.to_torch(rows).data_ptr() == d4.to_torch(
+                single.c128a_global_decode_buffer).data_ptr()
+    for group, error in ((d4.DeepseekV4MetadataBuilder(4, MAX_MODEL_LEN, MAX_TOKENS, like=like),
+                          TypeError),
+                         (d4.DeepseekV4MetadataBuilder(128, MAX_MODEL_LEN, 2 * MAX_TOKENS,
+                                                       like=like), ValueError)):
+        with pytest.raises(error, match="c128a_group"):
+            d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS, like=like,
+                                             c128a_group=group)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec", [0, 1, 3])
 def test_the_native_indexer_decode_layout_equals_its_op(kind, spec, monkeypatch):
     rng = np.random.default_rng(20 + spec)

@@ -502,6 +502,10 @@ def test_the_one_launch_step_equals_vllms_per_group_builds(config, monkeypatch, 
                 assert_same(got[layer], want[layer])
         for mine, vllms in zip(our_args["block_tables"], theirs_args["block_tables"]):
             assert torch.equal(mine, vllms)      # the compressed groups' tables clamped
+        rows = got["layer.128"].c128a_prefill_topk_indices
+        if rows is not None:                     # one set of C128A buffers, either path
+            assert rows.data_ptr() == our_groups[3][0].metadata_builders[0] \
+                .c128a_prefill_buffer.data_ptr()
 
 
 def test_a_step_the_step_builder_refuses_builds_per_group(config, monkeypatch, caplog):

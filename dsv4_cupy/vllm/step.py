@@ -25,7 +25,6 @@ import functools
 import importlib
 import inspect
 
-import torch
 from vllm.v1.attention.backend import AttentionCGSupport
 
 import dsv4_cupy
@@ -107,15 +106,14 @@ def step_refusal(args: dict, groups: dict | None) -> str | None:
 
 
 def step_builder(c128a: Dsv4CupyFlashMLAMetadataBuilder, swa: Dsv4CupySWAMetadataBuilder):
-    """The step builder of this micro-batch's groups, made at its first step."""
+    """The step builder of this micro-batch's groups, made at its first step;
+    its C128A rows are the C128A builder's own buffers (one set for both)."""
     if c128a._step_builder is None:
         library = c128a._library
         c128a._step_builder = dsv4_cupy.DeepseekV4StepMetadataBuilder(
             library.max_model_len, library.max_num_batched_tokens,
             block_size=int(c128a.kv_cache_spec.block_size), swa_block_size=swa.block_size,
-            window_size=swa.window_size, index_topk=c128a.topk_tokens,
-            decode_threshold=library.decode_threshold,
-            like=torch.empty(0, dtype=torch.int32, device=c128a.device))
+            window_size=swa.window_size, index_topk=c128a.topk_tokens, c128a_group=library)
     return c128a._step_builder
 
 
