@@ -68,6 +68,13 @@ def test_on_it_patches_once_and_says_what(stand_ins, monkeypatch, caplog):
     assert "dsv4_cupy: builders.target -> builders.ours" in caplog.text
 
 
+def test_the_one_launch_step_can_be_left_out(stand_ins, monkeypatch):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")
+    monkeypatch.setenv(plugin.STEP_VARIABLE, "0")
+    plugin.register()
+    assert stand_ins.installs == [part for part in plugin.INSTALLED_PARTS if part != "step"]
+
+
 @pytest.mark.parametrize("version", ["0.33.1", "0.35.0", "1.0.0"])
 def test_an_untested_version_patches_nothing_and_warns(stand_ins, monkeypatch, caplog, version):
     monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")

@@ -19,6 +19,9 @@ import os
 
 #: The environment variable that turns the plugin on (``"1"``).
 ENABLE_VARIABLE = "DSV4_CUPY_VLLM"
+#: The environment variable that, at ``"0"``, leaves the runner's per-step
+#: build alone (no one-launch step: each group builds on its own).
+STEP_VARIABLE = "DSV4_CUPY_VLLM_STEP"
 #: vLLM releases the plugin is tested on (major.minor).
 TESTED_VERSIONS = ("0.34",)
 #: CUDA compute-capability majors the library's kernels serve.
@@ -46,6 +49,9 @@ def register() -> None:
         logger.warning("dsv4_cupy: %s; nothing patched", refusal)
         return
     for part in INSTALLED_PARTS:
+        if part == "step" and os.environ.get(STEP_VARIABLE) == "0":
+            logger.info("dsv4_cupy: %s=0: no one-launch step", STEP_VARIABLE)
+            continue
         _patched.update(importlib.import_module(f"{__name__}.{part}").install())
     for target, replacement in _patched.items():
         logger.info("dsv4_cupy: %s -> %s", target, replacement)
