@@ -67,22 +67,28 @@ def cpu_request_row_position(seq_len, ratio, gather_lens, b, first_row, row):
     return -1 if i >= gathered or position < 0 else position
 
 
+@njit(cache=True)
+def cpu_sources(first, second):
+    """The fields of two ``KCacheSource`` records, each a pair indexed by source:
+    caches, table entries, gather lengths, table rows, table columns, table row
+    strides, page strides, pages, block sizes, ratios, first rows. A kernel
+    takes them out of the records before its prange (see cpu.py)."""
+    return ((first.cache, second.cache), (first.table.entries, second.table.entries),
+            (first.gather_lens, second.gather_lens), (first.table.rows, second.table.rows),
+            (first.table.cols, second.table.cols),
+            (first.table.row_stride, second.table.row_stride),
+            (first.page_stride, second.page_stride), (first.num_pages, second.num_pages),
+            (first.block_size, second.block_size), (first.ratio, second.ratio),
+            (first.first_row, second.first_row))
+
+
 @ParallelKernel
 def cpu_dequantize_and_gather_k_cache(out, seq_lens, out_request_stride, out_row_stride,
                                       num_reqs, rows, num_sources, first, second):
     """Row i of request b's gathered rows of a source into out[b, first_row + i]:
     kernels/k_cache_gather.cuh's rule, value for value."""
-    # Every array and int out of the records before the prange (see cpu.py).
-    caches, entries, lens = (first.cache, second.cache), (first.table.entries,
-                                                          second.table.entries), \
-        (first.gather_lens, second.gather_lens)
-    table_rows, cols = (first.table.rows, second.table.rows), (first.table.cols,
-                                                               second.table.cols)
-    row_strides = (first.table.row_stride, second.table.row_stride)
-    page_strides, num_pages = (first.page_stride, second.page_stride), (first.num_pages,
-                                                                        second.num_pages)
-    block_sizes, ratios = (first.block_size, second.block_size), (first.ratio, second.ratio)
-    first_rows = (first.first_row, second.first_row)
+    caches, entries, lens, table_rows, cols, row_strides, page_strides, num_pages, \
+        block_sizes, ratios, first_rows = cpu_sources(first, second)
     for b in prange(num_reqs):
         for s in range(num_sources):
             if b >= table_rows[s]:
@@ -216,14 +222,8 @@ def dequantize_and_gather_prefill_kv(out, compressed_k_cache, compressed_block_t
         "block_table": compressed_block_table, "swa_block_table": swa_block_table})
     rows_out, seq, table = _check_common(ops, kind, device, table_name="compressed_block_table")
     num_reqs = seq.shape[0]
-    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=2,
-                               maximum=MAX_BLOCK_SIZE)
-    if compressed_block_size is None:
-        compressed_block_size = max(KV_BLOCK_SIZE // compress_ratio, 1)
-    compressed_block_size = check_int("compressed_block_size", compressed_block_size,
-                                      minimum=1, maximum=MAX_BLOCK_SIZE)
-    swa_block_size = check_int("swa_block_size", swa_block_size, minimum=1,
-                               maximum=MAX_BLOCK_SIZE)
+    compress_ratio, compressed_block_size, swa_block_size = check_layer_caches(
+        compress_ratio, compressed_block_size, swa_block_size)
     N = check_int("N", N, minimum=0, maximum=rows_out.shape[1])
     lens, swa_table = ops["gather_lens"], ops["swa_block_table"]
     if lens is None:
@@ -245,6 +245,20 @@ def dequantize_and_gather_prefill_kv(out, compressed_k_cache, compressed_block_t
                _source(swa, swa_table, lens, 1, N))
     launch = gather_launch(rows_out, seq, sources, device)
     return _PREFILL_OP.run(key, Checked(kind, device, out, (launch,), (out,)))
+
+
+def check_layer_caches(compress_ratio, compressed_block_size, swa_block_size
+                       ) -> tuple[int, int, int]:
+    """A layer's two caches' ints: the ratio, the compressed cache's states per
+    page (None: ``256 // compress_ratio``) and the SWA cache's."""
+    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=2,
+                               maximum=MAX_BLOCK_SIZE)
+    if compressed_block_size is None:
+        compressed_block_size = max(KV_BLOCK_SIZE // compress_ratio, 1)
+    return (compress_ratio,
+            check_int("compressed_block_size", compressed_block_size, minimum=1,
+                      maximum=MAX_BLOCK_SIZE),
+            check_int("swa_block_size", swa_block_size, minimum=1, maximum=MAX_BLOCK_SIZE))
 
 
 def _check_common(ops: dict, kind: str, device: int, table_name: str = "block_table"

@@ -11,15 +11,15 @@ from .cpu import ParallelKernel
 from .family import KernelFamily
 from .geometry import MAX_GRID_STRIDE_BLOCKS, THREADS, WARP_LANES, elementwise_blocks, \
     row_lane_blocks
-from .k_cache_gather import (K_CACHE_SOURCE, OUT_ROW_ALIGNMENT, _source, cpu_gather_position,
-                             cpu_request_row_position)
+from .k_cache_gather import (K_CACHE_SOURCE, OUT_ROW_ALIGNMENT, _source, check_layer_caches,
+                             cpu_gather_position, cpu_request_row_position, cpu_sources)
 from .kinds import GPU_KINDS, INT32, UINT16, as_bits, probe, probe_all
 from .kv_cache import check_pages
 from .launch import Launch
 from .params import I64, PTR, Params
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
-from .spec import HEAD_SIZE, KV_BLOCK_SIZE, MAX_BLOCK_SIZE, SWA_BLOCK_SIZE, cdiv
+from .spec import HEAD_SIZE, SWA_BLOCK_SIZE, cdiv
 
 PARAMS = Params("SelectedGatherParams", [
     ("out", PTR), ("remapped", PTR), ("indices", PTR), ("lens", PTR), ("seq_lens", PTR),
@@ -60,16 +60,8 @@ def cpu_dequantize_and_gather_selected_kv(out, remapped, indices, lens, seq_lens
     compact = np.cumsum(named) - 1
     selected = np.nonzero(named)[0]
     num_selected[0] = selected.shape[0]
-    caches, entries, gather_lens = (first.cache, second.cache), (first.table.entries,
-                                                                 second.table.entries), \
-        (first.gather_lens, second.gather_lens)
-    table_rows, cols = (first.table.rows, second.table.rows), (first.table.cols,
-                                                               second.table.cols)
-    row_strides = (first.table.row_stride, second.table.row_stride)
-    page_strides, num_pages = (first.page_stride, second.page_stride), (first.num_pages,
-                                                                        second.num_pages)
-    block_sizes, ratios = (first.block_size, second.block_size), (first.ratio, second.ratio)
-    first_rows = (first.first_row, second.first_row)
+    caches, entries, gather_lens, table_rows, cols, row_strides, page_strides, num_pages, \
+        block_sizes, ratios, first_rows = cpu_sources(first, second)
     for k in prange(min(selected.shape[0], out_rows)):
         b = selected[k] // rows
         row = selected[k] - b * rows
@@ -199,16 +191,10 @@ def dequantize_and_gather_selected_kv(out, remapped_indices, combined_indices, c
     checks.check_writable(rows_out)
     remapped = checks.output("remapped_indices", ops["remapped_indices"], kind, device, INT32,
                              num_tokens, width)
-    compress_ratio = check_int("compress_ratio", compress_ratio, minimum=2,
-                               maximum=MAX_BLOCK_SIZE)
+    compress_ratio, compressed_block_size, swa_block_size = check_layer_caches(
+        compress_ratio, compressed_block_size, swa_block_size)
     M = check_int("M", M, minimum=0, maximum=MAX_WORKSPACE_ROWS // max(num_reqs, 1))
     N = check_int("N", N, minimum=0, maximum=M)
-    if compressed_block_size is None:
-        compressed_block_size = max(KV_BLOCK_SIZE // compress_ratio, 1)
-    compressed_block_size = check_int("compressed_block_size", compressed_block_size,
-                                      minimum=1, maximum=MAX_BLOCK_SIZE)
-    swa_block_size = check_int("swa_block_size", swa_block_size, minimum=1,
-                               maximum=MAX_BLOCK_SIZE)
     num_words = cdiv(num_reqs * M, WORD_ROWS)
     scratch_len = selected_gather_scratch_len(num_reqs, M, rows_out.shape[0])
     count = checks.output("num_selected", ops["num_selected"], kind, device, INT32, 1)
