@@ -101,6 +101,20 @@ def request_of(qsl, num_reqs, t):
 
 
 @njit(cache=True, inline="always")
+def page_state(entries, row_stride, cols, num_pages, block_size, b, position):
+    """The cache page and state holding position ``position`` of block-table row
+    b (``entries`` flat, rows ``row_stride`` apart); page -1 when its column is
+    past the row's ``cols`` or its entry outside the ``num_pages`` pages."""
+    column = position // block_size
+    if column >= cols:
+        return -1, 0
+    page = int(entries[b * row_stride + column])
+    if page < 0 or page >= num_pages:
+        return -1, 0
+    return page, position - column * block_size
+
+
+@njit(cache=True, inline="always")
 def dcp_local_rows(n, world, rank, interleave):
     """Rows among 0..n-1 that rank ``rank`` of ``world`` holds, ``interleave`` at a
     time round robin (the kernels' dcp_local_rows, vLLM's get_dcp_local_seq_lens)."""

@@ -6,7 +6,7 @@ import numpy as np
 from numba import prange
 
 from . import checks, validation
-from .cpu import ParallelKernel, request_of
+from .cpu import ParallelKernel, page_state, request_of
 from .family import KernelFamily
 from .geometry import MAX_GRID_STRIDE_BLOCKS, WARP_LANES, row_lane_blocks
 from .kinds import GPU_KINDS, INT32, UINT8, Operand, as_bits, probe_all
@@ -35,14 +35,10 @@ def cpu_cp_gather_indexer_k_quant_cache(cache, table, cu_seq_lens, dst_k, dst_sc
         b = request_of(cu_seq_lens, rows, t)
         if t < cu_seq_lens[b] or t >= cu_seq_lens[b + 1]:
             continue
-        position = t - np.int64(cu_seq_lens[b])
-        column = position // block_size
-        if column >= cols:
+        page, r = page_state(entries, row_stride, cols, num_pages, block_size, b,
+                             t - np.int64(cu_seq_lens[b]))
+        if page < 0:
             continue
-        page = np.int64(entries[b * row_stride + column])
-        if page < 0 or page >= num_pages:
-            continue
-        r = position - column * block_size
         base = page * page_stride
         dst_k[t * dst_k_stride:t * dst_k_stride + INDEXER_HEAD_DIM] = \
             cache[base + r * INDEXER_HEAD_DIM:base + (r + 1) * INDEXER_HEAD_DIM]

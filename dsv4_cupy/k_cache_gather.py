@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import checks, fp8, validation
-from .cpu import ParallelKernel, div_trunc
+from .cpu import ParallelKernel, div_trunc, page_state
 from .family import KernelFamily
 from .geometry import MAX_GRID_STRIDE_BLOCKS, WARP_LANES, row_lane_blocks
 from .kinds import GPU_KINDS, INT32, UINT16, Operand, as_bits, probe_all
@@ -38,13 +38,9 @@ def cpu_gather_position(out, target, cache, table, row_stride, cols, page_stride
     """Row ``position`` of request b's rows in a cache into ``out[target:]``
     (kernels/k_cache_gather.cuh's gather_state); nothing for a block outside the
     table or the cache."""
-    column = position // block_size
-    if column >= cols:
+    page, state = page_state(table, row_stride, cols, num_pages, block_size, b, position)
+    if page < 0:
         return
-    page = np.int64(table[b * row_stride + column])
-    if page < 0 or page >= num_pages:
-        return
-    state = position - column * block_size
     base = page * page_stride
     record = base + state * FP8_RECORD_BYTES
     scales = base + block_size * FP8_RECORD_BYTES + state * SCALE_RECORD_BYTES

@@ -141,15 +141,11 @@ STEPS = [  # (decodes, prefill query lengths, padding tokens, short context)
     (2, [30, 50], 5, False)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("combined", [False, True])
-def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
-    rng = np.random.default_rng(11 + combined)
-    builder = d4.DeepseekV4StepMetadataBuilder(
-        MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC, combined_prefill=combined,
-        like=to_kind(np.zeros(1, I32), kind))
+def checked_builds(builder, kind, rng, steps, monkeypatch):
+    """Each step of ``steps`` built on poisoned buffers, in one launch on the GPU,
+    and checked against the single ops; yields (short_context, the build)."""
     launches = count_launches(monkeypatch)
-    for decodes, prefills, pad, short in STEPS * 2:
+    for decodes, prefills, pad, short in steps:
         cms = make_step(rng, decodes, prefills, pad, short, kind)
         poison(builder)
         del launches[:]
@@ -157,6 +153,17 @@ def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
         if kind in GPU_KINDS:
             assert len(launches) == 1
         assert_equal(got, composition(cms, builder))
+        yield short, got
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("combined", [False, True])
+def test_the_step_equals_the_single_ops(kind, combined, monkeypatch):
+    rng = np.random.default_rng(11 + combined)
+    builder = d4.DeepseekV4StepMetadataBuilder(
+        MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC, combined_prefill=combined,
+        like=to_kind(np.zeros(1, I32), kind))
+    for short, got in checked_builds(builder, kind, rng, STEPS * 2, monkeypatch):
         assert (got.c4a_short_context_topk_indices is not None) == short
 
 
@@ -172,16 +179,8 @@ def test_a_shared_c128a_group_writes_its_own_buffers(kind, monkeypatch):
                                                num_speculative_tokens=SPEC, like=like,
                                                c128a_group=single)
     assert builder.c128a_group is single
-    launches = count_launches(monkeypatch)
     rng = np.random.default_rng(41)
-    for decodes, prefills, pad, short in STEPS:
-        cms = make_step(rng, decodes, prefills, pad, short, kind)
-        poison(builder)
-        del launches[:]
-        got = builder.build(0, cms)
-        if kind in GPU_KINDS:
-            assert len(launches) == 1
-        assert_equal(got, composition(cms, builder))
+    for _, got in checked_builds(builder, kind, rng, STEPS, monkeypatch):
         rows = got.c128a.c128a_global_decode_topk_indices
         if rows is not None:
             assert _kind(rows) == kind and d4.to_torch(rows).data_ptr() == d4.to_torch(
