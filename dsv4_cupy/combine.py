@@ -12,8 +12,8 @@ from . import checks, geometry, validation
 from .cpu import ParallelKernel, div_trunc, gather_len, request_of
 from .family import COMBINE_LANES_AXIS, COMBINED_WIDTH_AXIS, SWA_WINDOW_AXIS, KernelFamily
 from .geometry import MAX_PLAN_CHUNKS, RUN_TIME, combine_lanes
-from .kinds import INT32, Operand, probe_all
-from .launch import Launch, optional
+from .kinds import INT32, INT32_MAX, Operand, probe_all
+from .launch import FrozenLaunch, Launch, optional
 from .params import I32, I64, PTR, QUERY_LAYOUT, Array, Group, Params, QueryLayout
 from .prepared import Checked, PreparedOp
 from .scalars import check_int
@@ -229,7 +229,7 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     topk = checks.check_row_width("topk", topk)
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1 if topk else 0,
                                maximum=MAX_BLOCK_SIZE)
-    M = check_int("M", M, minimum=0, maximum=np.iinfo(np.int32).max)   # values are int32
+    M = check_int("M", M, minimum=0, maximum=INT32_MAX)   # values are int32
     N = check_int("N", N, minimum=0, maximum=M)
     max_image_tokens = checks.check_row_width("max_image_tokens", max_image_tokens)
     left, right = ops["left_visible"], ops["right_visible"]
@@ -309,15 +309,18 @@ class PlanChunk(NamedTuple):
 
 
 def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_decodes: int,
-                             chunks: list[PlanChunk], out: Operand, lens: Operand,
+                             chunks: tuple[PlanChunk, ...], out: Operand, lens: Operand,
                              window_size: int, compress_ratio: int, topk: int,
-                             device: int) -> list[Launch]:
+                             device: int, kept=None) -> list:
     """The combined rows of a step's prefill tokens over its chunk plan,
     without reading a top-k (C128A's local rows, or none) or gather lengths:
     a launch of the step kernel's combine section per ``MAX_PLAN_CHUNKS``
     chunks (on the CPU, a combine per chunk). ``query_start_loc`` and
     ``seq_lens`` are the step's; prefill request ``i`` is request
-    ``num_decodes + i``."""
+    ``num_decodes + i``. ``kept(key, describe)``: a caller's cache of frozen
+    launches (GPU), for the rows of a launch, which depend on its requests
+    and rows alone (not on the chunks' ``N`` and ``M``); the launches are
+    then ``FrozenLaunch``es."""
     width = combined_width(topk, window_size)
     lanes = geometry.combine_lanes(width)
     launches = []
@@ -330,9 +333,13 @@ def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_de
             return QueryLayout(checks.rows_of(query_start_loc, start, stop + 1),
                                checks.rows_of(seq_lens, start, stop), stop - start)
 
-        rows = combine_launch(requests(a, b), None, None, checks.rows_of(out, t0, t1),
-                              checks.rows_of(lens, t0, t1), t1 - t0, window_size, compress_ratio,
-                              topk, 0, 0, device, lanes)
+        def describe_rows():
+            return combine_launch(requests(a, b), None, None, checks.rows_of(out, t0, t1),
+                                  checks.rows_of(lens, t0, t1), t1 - t0, window_size,
+                                  compress_ratio, topk, 0, 0, device, lanes)
+
+        rows = describe_rows() if kept is None else kept(
+            ("combine rows", out.ptr, a, b, t0, t1, compress_ratio, topk), describe_rows)
         per_chunk = () if device >= 0 else tuple(      # the CPU's: a combine per chunk
             combine_launch(requests(num_decodes + c.start, num_decodes + c.end), None, None,
                            checks.rows_of(out, c.first_row, c.end_row),
@@ -341,12 +348,17 @@ def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_de
                            -1)
             for c in piece)
         pad = [0] * (MAX_PLAN_CHUNKS - len(piece))
-        plan = PrefillPlan(chunks=len(piece),
-                           first_request=[c.start - piece[0].start for c in piece] + pad,
-                           rows_per_request=[c.rows_per_request for c in piece] + pad,
-                           swa_offset=[c.swa_offset for c in piece] + pad)
-        launches.append(Launch(None, rows.blocks, dict(rows=rows, lanes=lanes, plan=plan),
-                               layout=PREFILL_COMBINE, parts=per_chunk))
+        plan = dict(chunks=len(piece),
+                    first_request=[c.start - piece[0].start for c in piece] + pad,
+                    rows_per_request=[c.rows_per_request for c in piece] + pad,
+                    swa_offset=[c.swa_offset for c in piece] + pad)
+        if kept is None:
+            launches.append(Launch(None, rows.blocks,
+                                   dict(rows=rows, lanes=lanes, plan=PrefillPlan(**plan)),
+                                   layout=PREFILL_COMBINE, parts=per_chunk))
+        else:       # the rows frozen: the section's values as packed, with this plan's
+            launches.append(FrozenLaunch(PREFILL_COMBINE.values(
+                rows=rows.values, lanes=lanes, plan=PREFILL_PLAN.values(**plan)), rows.blocks))
     return launches
 
 

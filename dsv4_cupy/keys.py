@@ -55,6 +55,26 @@ def owned_state_reader(x) -> tuple:
     return x, state_reader(x)
 
 
+def watch(views=(), owned=()) -> tuple:
+    """``(target, read, state)`` per watched array: ``views`` (any arrays, by
+    ``state_reader``) and ``owned`` (views of the library's buffers, by
+    ``owned_state_reader``: one read per torch buffer); None skipped."""
+    watched = {id(view): (view, state_reader(view)) for view in views if view is not None}
+    for view in owned:
+        if view is not None:
+            target, read = owned_state_reader(view)
+            watched[id(target)] = (target, read)
+    return tuple((target, read, read(target)) for target, read in watched.values())
+
+
+def unchanged(watched: tuple) -> bool:
+    """Whether no watched array (``watch``) was changed in place since."""
+    for target, read, state in watched:
+        if read(target) != state:
+            return False
+    return True
+
+
 class ViewCache:
     """Views of a builder's own buffers, cached: slicing a torch tensor costs
     more host time than a whole prepared build. A view is

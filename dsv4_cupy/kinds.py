@@ -18,6 +18,8 @@ NUMPY, TORCH_CPU, CUPY, TORCH_CUDA = "numpy", "torch_cpu", "cupy", "torch_cuda"
 GPU_KINDS = (CUPY, TORCH_CUDA)
 HOST_KINDS = (NUMPY, TORCH_CPU)
 INT32 = np.dtype(np.int32)
+#: The largest int32 value (kernels' int32 indices and counts stay within it).
+INT32_MAX = int(np.iinfo(INT32).max)
 INT64 = np.dtype(np.int64)
 BOOL = np.dtype(np.bool_)
 #: Bytes (fp8 values, cache pages) and 16-bit words (bf16 values, as their bits).

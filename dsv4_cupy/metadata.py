@@ -167,6 +167,13 @@ class DeepseekV4StepMetadata:
         return tuple(found.values())
 
 
+def copied(metadata):
+    """A shallow copy of a metadata dataclass (its fields' objects shared)."""
+    copy = object.__new__(type(metadata))
+    copy.__dict__.update(metadata.__dict__)
+    return copy
+
+
 def exported_to_torch(metadata):
     """A metadata dataclass with every array field exported to torch through
     DLPack (zero-copy), nested metadata too; ints, lists and None stay."""

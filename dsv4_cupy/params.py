@@ -57,6 +57,19 @@ class _Layout:
         #: The values of a section a fused kernel leaves off (every field 0).
         self.off = (0,) * len(struct.unpack("<" + self.format, bytes(self.size)))
         self.values = self._function("values", f"return ({self._flat()},)", {})
+        counts = [kind.count if isinstance(kind, Array) else len(kind.off)
+                  if isinstance(kind, _Layout) else 1 for _, kind in fields]
+        #: Each single-valued field's index in the flattened values.
+        self.value_index = {name: sum(counts[:i]) for i, ((name, kind), count)
+                            in enumerate(zip(fields, counts))
+                            if not isinstance(kind, (_Layout, Array))}
+
+    def with_values(self, values: tuple, fields: dict) -> tuple:
+        """Flattened ``values`` with single-valued fields set by name."""
+        values = list(values)
+        for name, value in fields.items():
+            values[self.value_index[name]] = value
+        return tuple(values)
 
     def offsets(self) -> list[tuple[str, int]]:
         return [(name, self.dtype.fields[name][1]) for name in self.names]
@@ -100,6 +113,11 @@ class Params(_Layout):
         super().__init__(c_name, fields)
         self.groups = tuple(kind for _, kind in fields if isinstance(kind, _Layout))
         self._struct = struct.Struct("<" + self.format)
+        #: (name, offset, pack_into(buffer, offset, *values)) of each field.
+        self.field_packers = tuple(
+            (name, offset, struct.Struct("<" + (kind.format if isinstance(kind, (_Layout, Array))
+                                                else _CODES[kind][0])).pack_into)
+            for (name, kind), (_, offset) in zip(self.fields, self.offsets()))
         self.pack_into = self._function(
             "pack_into", f"_pack_into(buffer, 0, {self._flat()})",
             {"_pack_into": self._struct.pack_into})

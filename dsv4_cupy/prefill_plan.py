@@ -98,16 +98,20 @@ def plan_chunks(seq_lens: list, query_lens: list, compress_ratio: int, chunk_siz
                 has_compressed: bool | None = None) -> list[tuple[int, int, int, int]]:
     """``get_prefill_chunk_plan`` of checked Python ints (the step builder's path)."""
     compresses = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
-    compressed = [s // compress_ratio if compresses else 0 for s in seq_lens]
-    gathered = [q + min(max(s - q, 0), window_size - 1) for s, q in zip(seq_lens, query_lens)]
+    compressed = [s // compress_ratio for s in seq_lens] if compresses else [0] * len(seq_lens)
+    last_window = window_size - 1
+    # q + min(max(s - q, 0), W - 1); conditionals, not max/min calls: the step builder's path.
+    gathered = [q + (0 if s <= q else s - q if s - q < last_window else last_window)
+                for s, q in zip(seq_lens, query_lens)]
     budget = chunk_size * ((cdiv(max_model_len, compress_ratio) if compresses else 0)
                            + window_size + max_num_batched_tokens)
     plan, start, count = [], 0, len(seq_lens)
     while start < count:
         end, most_compressed, most_gathered = start + 1, compressed[start], gathered[start]
         while end < count:
-            wider_compressed = max(most_compressed, compressed[end])
-            wider_gathered = max(most_gathered, gathered[end])
+            c, g = compressed[end], gathered[end]
+            wider_compressed = c if c > most_compressed else most_compressed
+            wider_gathered = g if g > most_gathered else most_gathered
             if (end + 1 - start) * (wider_compressed + wider_gathered) > budget:
                 break
             end, most_compressed, most_gathered = end + 1, wider_compressed, wider_gathered

@@ -64,20 +64,13 @@ class PreparedCall:
         self.launches = launches
         self.stream = stream_getter(kind, device)
         self.results = results
-        watched = {id(view): (view, keys.state_reader(view)) for view in views
-                   if view is not None}
-        for view in owned:
-            if view is not None:
-                target, read = keys.owned_state_reader(view)
-                watched[id(target)] = (target, read)
-        self._watched = tuple((target, read, read(target)) for target, read in watched.values())
+        self._watched = keys.watch(views, owned)
 
     def run(self) -> bool:
         """Launch and return True, or launch nothing and return False when a
         result view was changed in place or a launch cannot run here."""
-        for view, read, state in self._watched:
-            if read(view) != state:
-                return False
+        if not keys.unchanged(self._watched):
+            return False
         stream = self.stream()
         for index, launch in enumerate(self.launches):
             if not launch.run(stream):

@@ -8,7 +8,8 @@ from .geometry import WARP_LANES
 from .group import MAX_CACHED_VIEWS, KVCacheGroup
 from .indexer_prefill import indexer_prefill_launch
 from .kinds import BOOL, GPU_KINDS, INT32, INT64, Operand, probe
-from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata
+from .launch import Launch
+from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata, copied
 from .params import QueryLayout, SlotGeometry
 from .prefill_gather import gather_lens_launch
 from .prepared import PreparedCall, PreparedCalls
@@ -19,7 +20,7 @@ from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
-from .step_plan import (GROUPS, LAYOUT_SECTIONS, StepLayout, StepPlan, check_group_data,
+from .step_plan import (GROUPS, MAX_LAYOUT_SECTIONS, SectionCache, StepLayout, StepPlan, check_group_data,
                         check_group_metadata, check_groups, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
 
@@ -312,7 +313,8 @@ class DeepseekV4StepMetadataBuilder:
             tables, swa_slots = check_groups(cms, arrays, self.kind, self.device,
                                              self.swa_lens_buffer, self.max_blocks)
             self._owned.check_inputs([*arrays.ops.values(), *tables.values(), swa_slots])
-            layout = StepLayout(arrays, tables, swa_slots, {}, [None])
+            layout = StepLayout(arrays, tables, swa_slots, SectionCache(),
+                                PreparedCalls(MAX_LAYOUT_SECTIONS), [None])
             if layout_key is not None:
                 self._layouts.put(layout_key, layout)
         return layout
@@ -356,8 +358,8 @@ class DeepseekV4StepMetadataBuilder:
         cms = check_group_metadata(common_attn_metadata)
         layout = self._layout(cms, layout_key)
         plan = self._plan(cms, layout, capturing)
-        metadata = self._metadata(plan)
-        launches = self._launches(plan, layout.sections)
+        metadata = self._metadata(plan, None if layout_key is None else layout.results)
+        launches = self._launches(plan, None if layout_key is None else layout.sections)
         if self.kind not in GPU_KINDS:
             for launch in launches:
                 launch.run_cpu()
@@ -383,70 +385,133 @@ class DeepseekV4StepMetadataBuilder:
             self._prepared.put(key, (call, metadata))
         return metadata
 
-    def _launches(self, plan: StepPlan, layout_sections: dict) -> list:
+    def _launches(self, plan: StepPlan, cache: SectionCache | None) -> list:
         """The step kernel with every section this step needs (a prefill plan
         longer than ``geometry.MAX_PLAN_CHUNKS`` chunks adds launches of its
-        combine). ``layout_sections``: the frozen ``LAYOUT_SECTIONS`` of earlier
-        steps of this layout (GPU), filled here when empty."""
-        group, cm, split = self.c128a_group, plan.cms["c128a"], plan.split
-        ops = plan.arrays.ops
-        qsl, seq = ops["query_start_loc"], ops["seq_lens"]
-        on_gpu = self.kind in GPU_KINDS
-        device = self.device if on_gpu else -1
-        T, W = plan.num_tokens, self.window_size
-        num_decodes, num_prefills = split.num_decodes, split.num_prefills
-        op = self._op
-        sections = dict(layout_sections)
-        if not sections:
-            sections.update(group.layout_sections(plan.arrays))
-            sections["swa"] = swa_launch(
-                QueryLayout(qsl, seq, cm.num_reqs), plan.tables["swa"],
-                group.buffer_operand("req_id_per_token_buffer"), op(self.is_valid_token_buffer),
-                op(self.swa_indices_buffer), op(self.swa_lens_buffer), W, self.swa_block_size,
-                0, T, T, device, lanes=WARP_LANES)
-            for name, buffer in (("c4a", self.c4a_slot_mapping_buffer),
-                                 ("indexer", self.indexer_slot_mapping_buffer)):
-                sections[f"{name}_slots"] = slot_mapping_launch(qsl, seq, plan.tables[name],
-                                                                self._c4a_geometry, op(buffer), T)
-            if T:
-                sections["short_context"] = short_context_launch(
-                    ops["positions"], op(self.short_context_buffer), self.index_topk, C4A_RATIO,
-                    T, device, lanes=WARP_LANES)
-            if on_gpu:
-                layout_sections.update((name, sections[name].frozen()) for name in LAYOUT_SECTIONS
-                                       if name in sections)
+        combine). ``cache``: the layout's sections (GPU; None: described here)."""
+        group, split = self.c128a_group, plan.split
+
+        def described(key: tuple, describe) -> dict:
+            return describe() if cache is None else cache.get(key, describe)
+
+        sections = dict(described(("layout",), lambda: self._layout_sections(plan)))
         if not plan.short_context:
             sections.pop("short_context", None)
-        sections.update(group.split_sections(plan.arrays, split, plan.width, plan.c128a_tokens,
-                                             plan.valid_tokens))
-        name, section = self._indexer_decode.section(plan, op)
-        sections[name] = section
+        width, c128a_tokens, valid_tokens = plan.width, plan.c128a_tokens, plan.valid_tokens
+        sections.update(described(
+            ("c128a", split, width, c128a_tokens, valid_tokens),
+            lambda: group.split_sections(plan.arrays, split, width, c128a_tokens, valid_tokens)))
+        sections.update(described(("indexer_decode", split, plan.native_decode_shape),
+                                  lambda: dict([self._indexer_decode.section(plan, self._op)])))
         extra = []
-        if num_prefills:
-            sections["gather"] = gather_lens_launch(QueryLayout(qsl, seq, cm.num_reqs),
-                                                    op(self.prefill_gather_lens_buffer),
-                                                    num_decodes, num_prefills, W)
-            end = num_decodes + num_prefills
-            sections["indexer_prefill"] = indexer_prefill_launch(
-                QueryLayout(checks.rows_of(qsl, num_decodes, end + 1),
-                            checks.rows_of(seq, num_decodes, end), num_prefills),
-                *map(op, self.indexer_prefill_buffers), plan.compressed, C4A_RATIO, 0,
-                split.num_prefill_tokens)
+        if split.num_prefills:
+            sections.update(described(("gather", split), lambda: self._gather_section(plan)))
+            compressed = plan.compressed
+            section = self._indexer_prefill_section
+            sections["indexer_prefill"] = (
+                section(plan, compressed) if cache is None else
+                cache.get(("indexer_prefill", split), lambda: section(plan, compressed),
+                          num_compressed=compressed))
             if plan.chunks is not None:
-                for name, chunks, buffers, topk, ratio in (
-                        ("c128a_combine", plan.chunks.c128a, self.c128a_combined_buffers,
-                         plan.width, C128A_RATIO),
-                        ("swa_combine", plan.chunks.swa, self.swa_combined_buffers, 0, 0)):
-                    pieces = prefill_combine_launches(qsl, seq, num_decodes, chunks,
-                                                      *map(op, buffers), W, ratio, topk, device)
-                    sections[name] = pieces[0]
-                    extra += [(name, piece) for piece in pieces[1:]]
+                for name, chunks, topk in (("c128a_combine", plan.chunks.c128a, width),
+                                           ("swa_combine", plan.chunks.swa, 0)):
+                    sections[name], *more = self._combine(plan, name, chunks, topk, cache)
+                    extra += [(name, piece) for piece in more]
         variant = group.step_variant(plan.arrays)
         return [step_launch(variant, sections, plan.swa_slot_mapping,
-                            checks.rows_of(op(self.is_valid_token_buffer), 0, T)),
+                            checks.rows_of(self._op(self.is_valid_token_buffer), 0,
+                                           plan.num_tokens)),
                 *(step_launch(variant, {name: piece}) for name, piece in extra)]
 
-    def _metadata(self, plan: StepPlan) -> DeepseekV4StepMetadata:
+    def _layout_sections(self, plan: StepPlan) -> dict:
+        """The sections that depend on the step's arrays and counts alone."""
+        cm, ops, op = plan.cms["c128a"], plan.arrays.ops, self._op
+        qsl, seq, T = ops["query_start_loc"], ops["seq_lens"], plan.num_tokens
+        device = self.device if self.kind in GPU_KINDS else -1
+        sections = self.c128a_group.layout_sections(plan.arrays)
+        sections["swa"] = swa_launch(
+            QueryLayout(qsl, seq, cm.num_reqs), plan.tables["swa"],
+            self.c128a_group.buffer_operand("req_id_per_token_buffer"),
+            op(self.is_valid_token_buffer), op(self.swa_indices_buffer), op(self.swa_lens_buffer),
+            self.window_size, self.swa_block_size, 0, T, T, device, lanes=WARP_LANES)
+        for name, buffer in (("c4a", self.c4a_slot_mapping_buffer),
+                             ("indexer", self.indexer_slot_mapping_buffer)):
+            sections[f"{name}_slots"] = slot_mapping_launch(qsl, seq, plan.tables[name],
+                                                            self._c4a_geometry, op(buffer), T)
+        if T:
+            sections["short_context"] = short_context_launch(
+                ops["positions"], op(self.short_context_buffer), self.index_topk, C4A_RATIO, T,
+                device, lanes=WARP_LANES)
+        return sections
+
+    def _gather_section(self, plan: StepPlan) -> dict:
+        """The prefill requests' gather lengths."""
+        ops, split = plan.arrays.ops, plan.split
+        return {"gather": gather_lens_launch(
+            QueryLayout(ops["query_start_loc"], ops["seq_lens"], plan.cms["c128a"].num_reqs),
+            self._op(self.prefill_gather_lens_buffer), split.num_decodes, split.num_prefills,
+            self.window_size)}
+
+    def _indexer_prefill_section(self, plan: StepPlan, compressed: int) -> Launch:
+        """The indexer's chunk metadata over the prefill requests."""
+        ops, split = plan.arrays.ops, plan.split
+        start, end = split.num_decodes, split.num_decodes + split.num_prefills
+        return indexer_prefill_launch(
+            QueryLayout(checks.rows_of(ops["query_start_loc"], start, end + 1),
+                        checks.rows_of(ops["seq_lens"], start, end), split.num_prefills),
+            *map(self._op, self.indexer_prefill_buffers), compressed, C4A_RATIO, 0,
+            split.num_prefill_tokens)
+
+    def _combine(self, plan: StepPlan, name: str, chunks: tuple, topk: int,
+                 cache: SectionCache | None) -> list:
+        """A combine section's launches over its chunk plan (``prefill_combine_launches``)."""
+        ops = plan.arrays.ops
+        buffers, ratio = ((self.c128a_combined_buffers, C128A_RATIO) if name == "c128a_combine"
+                          else (self.swa_combined_buffers, 0))
+        return prefill_combine_launches(
+            ops["query_start_loc"], ops["seq_lens"], plan.split.num_decodes, chunks,
+            *map(self._op, buffers), self.window_size, ratio, topk,
+            self.device if self.kind in GPU_KINDS else -1,
+            kept=None if cache is None else cache.get)
+
+    def _metadata(self, plan: StepPlan, results: PreparedCalls | None = None
+                  ) -> DeepseekV4StepMetadata:
+        """The step's metadata. ``results``: the layout's (GPU), by the host
+        decisions their views depend on: a step copies the one made for its
+        decisions (none of whose views was changed in place since) and sets
+        its own values (``_step_values``)."""
+        if results is None:
+            out = self._views_of(plan)
+        else:
+            key = (plan.split, plan.width, plan.short_context, plan.native_decode_shape)
+            entry = results.get(key)
+            if entry is None or not keys.unchanged(entry[1]):
+                made = self._views_of(plan)
+                entry = (made, keys.watch(owned=made.arrays()))
+                results.put(key, entry)
+            out = copied(entry[0])
+            out.c128a = copied(out.c128a)
+        self._step_values(plan, out)
+        return out
+
+    def _step_values(self, plan: StepPlan, out: DeepseekV4StepMetadata) -> None:
+        """What a step's metadata holds beyond its views of ``_views_of``'s
+        decisions: the caller's maxima and arrays, the indexer's compressed
+        rows, the chunk plans."""
+        cm, c128a = plan.cms["c128a"], out.c128a
+        out.max_query_len = c128a.max_query_len = cm.max_query_len
+        out.max_seq_len = c128a.max_seq_len = cm.max_seq_len
+        c128a.query_start_loc, c128a.block_table = cm.query_start_loc, cm.block_table_tensor
+        if plan.split.num_prefills:
+            out.indexer_token_to_seq = self._views.get(self.indexer_prefill_buffers[1], 0,
+                                                       plan.compressed)
+            if plan.chunks is not None:
+                out.c128a_prefill_chunks = [chunk[:4] for chunk in plan.chunks.c128a]
+                out.swa_prefill_chunks = [chunk[:4] for chunk in plan.chunks.swa]
+
+    def _views_of(self, plan: StepPlan) -> DeepseekV4StepMetadata:
+        """The step's metadata but ``_step_values``: views of the buffers for its
+        split, width, short-context and native decode shape."""
         cm, split = plan.cms["c128a"], plan.split
         num_decodes, num_prefills, nd, np_tokens = split
         T, view = plan.num_tokens, self._views.get
@@ -455,7 +520,7 @@ class DeepseekV4StepMetadataBuilder:
         if self.combined_prefill:
             c128a.c128a_prefill_topk_indices = None
         swa_rows, swa_lens = self.swa_indices_buffer, self.swa_lens_buffer
-        cu, token_to_seq, ks, ke = self.indexer_prefill_buffers
+        cu, _, ks, ke = self.indexer_prefill_buffers
         out = DeepseekV4StepMetadata(
             num_reqs=cm.num_reqs, num_actual_tokens=T, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, num_decodes=num_decodes, num_prefills=num_prefills,
@@ -473,12 +538,9 @@ class DeepseekV4StepMetadataBuilder:
         if num_prefills:
             out.prefill_gather_lens = view(self.prefill_gather_lens_buffer, 0, num_prefills)
             out.indexer_cu_compressed = view(cu, 0, num_prefills + 1)
-            out.indexer_token_to_seq = view(token_to_seq, 0, plan.compressed)
             out.indexer_cu_seqlen_ks = view(ks, 0, np_tokens)
             out.indexer_cu_seqlen_ke = view(ke, 0, np_tokens)
             if plan.chunks is not None:
-                out.c128a_prefill_chunks = [chunk[:4] for chunk in plan.chunks.c128a]
-                out.swa_prefill_chunks = [chunk[:4] for chunk in plan.chunks.swa]
                 rows, lens = self.c128a_combined_buffers
                 out.c128a_combined_indices = view(
                     rows, 0, np_tokens, combined_width(plan.width, self.window_size))

@@ -12,7 +12,8 @@ from . import checks, host, validation
 from .combine import PlanChunk
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .group import KVCacheGroup, Split, StepArrays
-from .kinds import HOST_KINDS, INT32, INT64, Operand, describe, probe, probe_all
+from .launch import FrozenLaunch
+from .kinds import HOST_KINDS, INT32, INT32_MAX, INT64, Operand, describe, probe, probe_all
 from .metadata import CommonAttentionMetadata
 from .prefill_plan import plan_chunks
 from .spec import C4A_RATIO, C128A_RATIO
@@ -21,21 +22,59 @@ from .spec import C4A_RATIO, C128A_RATIO
 GROUPS = ("swa", "c4a", "indexer", "c128a")
 
 
-#: The step kernel's sections that depend on a step's arrays and counts alone
-#: (not on its split or chunk plans): a layout's are described once.
-LAYOUT_SECTIONS = ("token_map", "group_slots", "swa", "c4a_slots", "indexer_slots",
-                   "short_context")
+#: Described sections a layout keeps (then it starts over).
+MAX_LAYOUT_SECTIONS = 64
+
+
+class SectionCache:
+    """A layout's step-kernel sections, described once per set of host
+    decisions and kept frozen (GPU): the layout fixes every array a section
+    reads, so a section is a function of the host values its key lists (the
+    arguments its description is given, under a name)."""
+
+    __slots__ = ("_frozen",)
+
+    def __init__(self):
+        self._frozen: dict = {}
+
+    def get(self, key: tuple, describe, **fields):
+        """``describe()`` (a ``Launch``, or a dict or tuple of them) frozen, as
+        described under ``key`` before (the least recently used key goes first
+        past ``MAX_LAYOUT_SECTIONS``). ``fields``: single-valued fields of a
+        ``Launch`` that ``key`` leaves out (values the blocks do not depend on),
+        set in the frozen values; ``describe`` gives them these values."""
+        cached = self._frozen
+        entry = cached.pop(key, None)
+        if entry is None:
+            if len(cached) >= MAX_LAYOUT_SECTIONS:
+                cached.pop(next(iter(cached)), None)     # another thread may have too
+            described = describe()
+            entry = (_frozen(described), described.layout if fields else None)
+        cached[key] = entry
+        frozen, layout = entry
+        if fields:
+            frozen = FrozenLaunch(layout.with_values(frozen.values, fields), frozen.blocks)
+        return frozen
+
+
+def _frozen(described):
+    if type(described) is dict:
+        return {name: _frozen(launch) for name, launch in described.items()}
+    if type(described) is tuple:
+        return tuple(map(_frozen, described))
+    return described.frozen()
 
 
 class StepLayout(NamedTuple):
-    """What steps with the same arrays and counts share: their checks, the
-    sections that do not depend on the split (frozen, GPU) and the step
-    kernel's launch, repacked for each step."""
+    """What steps with the same arrays and counts share: their checks, their
+    described sections and result views (GPU) and the step kernel's launch,
+    repacked for each step."""
 
     arrays: StepArrays
     tables: dict
     swa_slot_mapping: Operand
-    sections: dict               # name -> launch.FrozenLaunch, filled by the first build
+    sections: SectionCache
+    results: object              # prepared.PreparedCalls: the metadata views by host decisions
     launch: list                 # [the step kernel's PreparedLaunch], filled by the first build
 
 
@@ -43,8 +82,8 @@ class StepLayout(NamedTuple):
 class ChunkPlans:
     """A step's prefill chunk plans (``get_prefill_chunk_plan``) placed in its rows."""
 
-    c128a: list          # [PlanChunk] of the C128A layers
-    swa: list            # [PlanChunk] of the SWA-only layers
+    c128a: tuple         # (PlanChunk, ...) of the C128A layers
+    swa: tuple           # (PlanChunk, ...) of the SWA-only layers
 
 
 @dataclass
@@ -246,7 +285,7 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
         raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
                          f"lengths >= 0 and at most num_prefill_tokens="
                          f"{split.num_prefill_tokens} in all, got {queries}")
-    compressed = sum(max(length // C4A_RATIO, 0) for length in seq)
+    compressed = sum([length // C4A_RATIO for length in seq])
     if compressed > max_num_compressed:
         raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
                          f"{max_num_compressed} compressed indexer rows over the "
@@ -254,19 +293,15 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
     if not combined_prefill:
         return None, compressed
     plan_args = (chunk_size, window_size, max_model_len, max_num_batched_tokens)
-    plans = (plan_chunks(seq, queries, C128A_RATIO, *plan_args),
-             plan_chunks(seq, queries, 1, *plan_args))
-    for plan in plans:
-        for start, end, _, M in plan:
-            if M * (end - start) > np.iinfo(np.int32).max:
+    first, placed = starts[0], []
+    for ratio in (C128A_RATIO, 1):
+        # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
+        chunks = []
+        for start, end, N, M in plan_chunks(seq, queries, ratio, *plan_args):
+            if M * (end - start) > INT32_MAX:
                 raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
                                  f"per request, {end - start} requests) exceeds int32")
-    first = starts[0]
-    placed = []
-    for plan in plans:
-        # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
-        chunks = [PlanChunk(start, end, N, M, starts[start] - first, starts[end] - first)
-                  for start, end, N, M in plan]
+            chunks.append(PlanChunk(start, end, N, M, starts[start] - first, starts[end] - first))
         chunks[-1] = chunks[-1]._replace(end_row=split.num_prefill_tokens)
-        placed.append(chunks)
+        placed.append(tuple(chunks))
     return ChunkPlans(*placed), compressed

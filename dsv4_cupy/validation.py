@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 
 from . import host, spec
-from .kinds import NUMPY
+from .kinds import INT32_MAX, NUMPY
 from .scalars import check_int
 
 MODES = ("default", "full")
@@ -247,7 +247,7 @@ def combine_inputs(qsl, seq_lens, gather_lens, kind: str, num_tokens: int, windo
         b = _first(wide)
         raise ValueError(f"M: expected at least N + gather_lens = {swa_offset + int(gather[b])} "
                          f"(request {b}'s workspace rows), got {rows_per_request}")
-    if requests and rows_per_request * requests > np.iinfo(np.int32).max:
+    if requests and rows_per_request * requests > INT32_MAX:
         raise ValueError(f"M: expected M * requests ({rows_per_request} * {requests}) to fit "
                          "int32 indices")
 

@@ -92,3 +92,40 @@ def test_the_load_chain_runs_each_way_it_can_be_launched():
     assert set(floors) == modes
     for per_load in floors.values():
         assert len(per_load) == latency.MAX_LOADS + 1 and all(us > 0 for us in per_load)
+
+
+def test_the_step_benchs_phases_time_the_builders_own_steps_over_advancing_contexts():
+    """The whole-step bench's host phases wrap the builder's own steps (here
+    the CPU path: no packing or launching) and put them back afterwards; the
+    advancing prefill contexts give each build new plans."""
+    import numpy as np
+
+    import dsv4_cupy as d4
+    from dsv4_cupy import launch, prepared
+    from dsv4_cupy.bench import step as step_bench
+    from dsv4_cupy.bench.cli import MAX_MODEL_LEN, make_step
+
+    step = make_step(4, 1, [300, 50], 3)
+    seq = step["seq"]
+    cms = {}
+    for group in ("swa", "c4a", "indexer", "c128a"):
+        cms[group] = d4.CommonAttentionMetadata(
+            query_start_loc=step["qsl"], query_start_loc_cpu=step["qsl"], seq_lens=seq,
+            block_table_tensor=step["table"], slot_mapping=step["slots"],
+            positions=step["positions"], num_reqs=6, num_actual_tokens=354,
+            max_query_len=step["max_q"], max_seq_len=step["max_seq"], seq_lens_cpu=seq)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 1024, combined_prefill=True)
+    advance = step_bench.advancing(step, 4)
+    plans = set()
+    for _ in range(5):
+        advance()
+        plans.add(tuple(builder.build(0, cms).c128a_prefill_chunks))
+        assert (seq[4:] >= np.diff(step["qsl"])[4:]).all()
+    assert len(plans) == 5
+    originals = (launch.Launch.prepare_into, prepared.PreparedCall.run)
+    phases = step_bench.host_phases(builder, cms, advance, reps=5)
+    assert set(phases) == {name for name, _ in step_bench.PHASES} | {"other"}
+    assert all(phases[name] > 0 for name in ("checks", "planning", "views", "describe"))
+    assert phases["pack"] == phases["launch"] == 0
+    assert (launch.Launch.prepare_into, prepared.PreparedCall.run) == originals
+    assert "_plan" not in vars(builder)

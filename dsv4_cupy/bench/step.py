@@ -15,6 +15,8 @@ upstream's kernels in this bench, so the comparison favours upstream.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..spec import C4A_BLOCK_SIZE as C4A_BLOCK
@@ -25,33 +27,88 @@ from ..spec import SWA_WINDOW_SIZE as WINDOW
 C128A_LAYERS, SWA_ONLY_LAYERS = 20, 2
 C128A_BLOCK = 2
 
+#: The longest context an advancing prefill reaches (``advancing``): the 64
+#: prefills of a step stay within the indexer's compressed rows.
+MAX_CONTEXT_FOR_ADVANCE = 1 << 16
+
 #: (case, decode requests, tokens per decode, prefill query lengths)
 STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x1", 64, 1, []),
               ("decode 256x1", 256, 1, []), ("decode 128x2", 128, 2, []),
               ("mixed 64+2048", 64, 1, [2048]), ("mixed 64+4x512", 64, 1, [512] * 4),
               ("mixed 64+64x32", 64, 1, [32] * 64))   # 16 chunks of PREFILL_CHUNK_SIZE requests
+#: The decode step the mixed steps' host time is compared with (their decodes alone).
+PREFILL_DECODES_CASE = "decode 64x1"
+
+#: The host phases of a build with prefills, by the builder's steps they time.
+PHASES = (("checks", ("_layout_key", "_layout")), ("planning", ("_plan",)),
+          ("views", ("_metadata",)), ("describe", ("_launches",)),
+          ("pack", ("Launch.prepare_into",)), ("launch", ("PreparedCall.run",)))
 
 
-def host_phases(timer, builder, cms) -> dict:
-    """Host us of each phase of a build that takes the full path (a step with
-    prefills; the decode steps' prepared path is one launch): the checks'
-    cache lookup, the plan (split, chunk plans), the result views, the
-    launches' description, their packing, and the launch itself."""
-    from ..prepared import PreparedCall
-    capturing = False
-    key = builder._layout_key(cms)
-    layout = builder._layout(cms, key)
-    plan = builder._plan(cms, layout, capturing)
-    launches = builder._launches(plan, layout.sections)
-    prepared = [launch.prepare(builder.device) for launch in launches]
-    call = PreparedCall(tuple(prepared), builder.kind, builder.device, None)
-    return {"checks": timer.host_us(lambda: builder._layout(cms, builder._layout_key(cms))),
-            "planning": timer.host_us(lambda: builder._plan(cms, layout, capturing)),
-            "views": timer.host_us(lambda: builder._metadata(plan)),
-            "describe": timer.host_us(lambda: builder._launches(plan, layout.sections)),
-            "pack": timer.host_us(lambda: [launch.prepare_into(ready) for launch, ready
-                                           in zip(launches, prepared)]),
-            "launch": timer.host_us(call.run)}
+def advancing(step: dict, nd_requests: int):
+    """A function that moves the step's prefill contexts on by their query
+    lengths, in place in the host copy the plans read (``step["seq"]``, which
+    the metadata's ``seq_lens_cpu`` tensors share), as chunked prefill does
+    step after step: every build plans new chunks and indexer rows."""
+    seq = step["seq"]
+    query = np.diff(step["qsl"])[nd_requests:].astype(np.int64)
+    prefix = seq[nd_requests:].astype(np.int64) - query
+    room = np.maximum(MAX_CONTEXT_FOR_ADVANCE - query, 1)
+    variants = [(query + (prefix + k * query) % room).astype(seq.dtype) for k in range(512)]
+    state = {"k": 0}
+
+    def advance():
+        state["k"] = (state["k"] + 1) % len(variants)
+        seq[nd_requests:] = variants[state["k"]]
+
+    return advance
+
+
+def host_phases(builder, cms, advance, reps: int = 400) -> dict:
+    """Host us of each phase of ``builder.build`` over advancing steps with
+    prefills (the decode steps' prepared path is one launch): the builder's
+    own steps (``PHASES``) timed in place, the median per phase over
+    ``reps`` builds, and "other", the rest of the build (its glue)."""
+    from .. import launch, prepared
+    clock = time.perf_counter_ns
+    spent = dict.fromkeys((name for name, _ in PHASES), 0)
+
+    def timed(phase, fn):
+        def wrapper(*args, **kwargs):
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += clock() - start
+        return wrapper
+
+    patched = []
+    for phase, steps in PHASES:
+        for step in steps:
+            owner, name = ((launch.Launch, step[7:]) if step.startswith("Launch.") else
+                           (prepared.PreparedCall, step[13:]) if step.startswith("PreparedCall.")
+                           else (builder, step))
+            patched.append((owner, name, owner.__dict__.get(name)))
+            setattr(owner, name, timed(phase, getattr(owner, name)))
+    samples = {name: [] for name in (*spent, "other")}
+    try:
+        for _ in range(reps):
+            advance()
+            for name in spent:
+                spent[name] = 0
+            start = clock()
+            builder.build(0, cms)
+            total = clock() - start
+            for name, ns in spent.items():
+                samples[name].append(ns / 1e3)
+            samples["other"].append((total - sum(spent.values())) / 1e3)
+    finally:
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+    return {name: float(np.median(values)) for name, values in samples.items()}
 
 
 def _group_metadata(torch, d4, step, rng):
@@ -165,6 +222,7 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
     rows = []
     for index, (name, requests, query, prefills) in enumerate(STEP_CASES):
         step = make_step(requests, query, prefills, 40 + index)
+        original_seq = step["seq"].copy()
         cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
         spec = query - 1
         c128a = d4.DeepseekV4MetadataBuilder(128, max_model_len, max_tokens,
@@ -181,17 +239,26 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
             launch.PreparedLaunch.run = run
         row = {"op": "step", "case": name, "tokens": step["positions"].shape[0],
                "launches": len(launches)}
-        timed = [("c128a", lambda: c128a.build(0, cms["c128a"])),
-                 ("step", lambda: whole.build(0, cms))]
+        advance = advancing(step, requests) if prefills else (lambda: None)
+
+        def advancing_build():
+            advance()
+            return whole.build(0, cms)
+
+        # (who, timed on the GPU, timed on the host): a step with prefills is
+        # timed on the host with its contexts advancing (new plans each build).
+        timed = [("c128a", lambda: c128a.build(0, cms["c128a"]), None),
+                 ("step", lambda: whole.build(0, cms), advancing_build)]
         if ports is not None:
             upstream, row["upstream_launches"], upstream_out = upstream_sequence(
                 torch, d4, ports, step, cms, spec, max_model_len, max_tokens)
-            timed.append(("upstream", upstream))
-        for who, fn in timed:
+            timed.append(("upstream", upstream, None))
+        for who, fn, host_fn in timed:
             row[f"{who}_graph_us"] = timer.graph_us(fn)
-            row[f"{who}_host_us"] = timer.host_us(fn)
+            row[f"{who}_host_us"] = timer.host_us(host_fn or fn)
         if prefills:
-            row["host_phases_us"] = host_phases(timer, whole, cms)
+            row["host_phases_us"] = host_phases(whole, cms, advance)
+            step["seq"][:] = original_seq
         row["x_c128a_gpu"] = row["step_graph_us"] / row["c128a_graph_us"]
         row["step_x_floor"] = row["step_host_us"] / launch_floor_us
         if ports is not None:
@@ -204,6 +271,12 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
             row["x_upstream_gpu"] = row["upstream_graph_us"] / row["step_graph_us"]
             row["x_upstream_host"] = row["upstream_host_us"] / row["step_host_us"]
         rows.append(row)
+    decode = next((r for r in rows if r["case"] == PREFILL_DECODES_CASE), None)
+    for row in rows:
+        if "host_phases_us" in row:
+            row["host_x_gpu"] = row["step_host_us"] / row["step_graph_us"]
+            if decode is not None:
+                row["host_x_decode"] = row["step_host_us"] / decode["step_host_us"]
     return rows
 
 
@@ -211,13 +284,16 @@ def print_step_rows(rows: list[dict]) -> None:
     phased = [r for r in rows if "host_phases_us" in r]
     if phased:
         names = list(phased[0]["host_phases_us"])
-        print("\nwhole step with prefills: host us per phase of a build (the sum is near the "
-              "step's host us)")
-        print(f"{'case':16} " + " ".join(f"{name:>9}" for name in names) + f" {'sum':>9}")
+        print("\nwhole step with prefills: host us per phase of a build, the median over "
+              "builds of advancing prefill contexts; the step's host us, and it over its GPU "
+              f"us and over the host us of {PREFILL_DECODES_CASE}")
+        print(f"{'case':16} " + " ".join(f"{name:>9}" for name in names)
+              + f" {'sum':>9} {'host':>9} {'x gpu':>6} {'x decode':>8}")
         for r in phased:
             phases = r["host_phases_us"]
             print(f"{r['case']:16} " + " ".join(f"{phases[name]:9.2f}" for name in names)
-                  + f" {sum(phases.values()):9.2f}")
+                  + f" {sum(phases.values()):9.2f} {r['step_host_us']:9.2f} "
+                  f"{r['host_x_gpu']:6.2f} {r.get('host_x_decode', float('nan')):8.2f}")
     if rows and "upstream_graph_us" in rows[0]:
         print("\nwhole step against upstream's sequence (per-group builders, per-layer combines)")
         print(f"{'case':16} {'launches':>8} {'upstream':>8} {'step gpu':>9} {'upstream gpu':>12} "
