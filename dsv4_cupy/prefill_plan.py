@@ -89,23 +89,34 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
         if has_compressed and compress_ratio < 1:
             raise ValueError(f"compress_ratio: expected at least 1 with has_compressed=True, "
                              f"got {compress_ratio}")
-    return plan_chunks(seq, queries, compress_ratio, chunk_size, window_size, max_model_len,
-                       max_num_batched_tokens, has_compressed)
-
-
-def plan_chunks(seq_lens: list, query_lens: list, compress_ratio: int, chunk_size: int,
-                window_size: int, max_model_len: int, max_num_batched_tokens: int,
-                has_compressed: bool | None = None) -> list[tuple[int, int, int, int]]:
-    """``get_prefill_chunk_plan`` of checked Python ints (the step builder's path)."""
     compresses = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
-    compressed = [s // compress_ratio for s in seq_lens] if compresses else [0] * len(seq_lens)
+    return plan_chunks([s // compress_ratio for s in seq] if compresses else [0] * len(seq),
+                       gathered_lengths(seq, queries, window_size),
+                       chunk_budget(compress_ratio if compresses else 0, chunk_size,
+                                    window_size, max_model_len, max_num_batched_tokens))
+
+
+def gathered_lengths(seq_lens: list, query_lens: list, window_size: int) -> list[int]:
+    """Each request's gather length ``q + min(max(L - q, 0), W - 1)`` (Python ints)."""
     last_window = window_size - 1
-    # q + min(max(s - q, 0), W - 1); conditionals, not max/min calls: the step builder's path.
-    gathered = [q + (0 if s <= q else s - q if s - q < last_window else last_window)
-                for s, q in zip(seq_lens, query_lens)]
-    budget = chunk_size * ((cdiv(max_model_len, compress_ratio) if compresses else 0)
-                           + window_size + max_num_batched_tokens)
-    plan, start, count = [], 0, len(seq_lens)
+    # Conditionals, not max/min calls: the step builder's path.
+    return [q + (0 if s <= q else s - q if s - q < last_window else last_window)
+            for s, q in zip(seq_lens, query_lens)]
+
+
+def chunk_budget(compress_ratio: int, chunk_size: int, window_size: int, max_model_len: int,
+                 max_num_batched_tokens: int) -> int:
+    """A chunk's workspace rows: ``chunk_size * (cdiv(max_model_len, ratio) +
+    window_size + max_num_batched_tokens)``; ``compress_ratio`` 0 for layers
+    without compressed rows."""
+    return chunk_size * ((cdiv(max_model_len, compress_ratio) if compress_ratio else 0)
+                         + window_size + max_num_batched_tokens)
+
+
+def plan_chunks(compressed: list, gathered: list, budget: int) -> list[tuple[int, int, int, int]]:
+    """``get_prefill_chunk_plan``'s greedy chunks of each request's compressed
+    and gathered lengths (Python ints: the step builder's path)."""
+    plan, start, count = [], 0, len(compressed)
     while start < count:
         end, most_compressed, most_gathered = start + 1, compressed[start], gathered[start]
         while end < count:

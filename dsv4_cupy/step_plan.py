@@ -15,7 +15,7 @@ from .group import KVCacheGroup, Split, StepArrays
 from .launch import FrozenLaunch
 from .kinds import HOST_KINDS, INT32, INT32_MAX, INT64, Operand, describe, probe, probe_all
 from .metadata import CommonAttentionMetadata
-from .prefill_plan import plan_chunks
+from .prefill_plan import chunk_budget, gathered_lengths, plan_chunks
 from .spec import C4A_RATIO, C128A_RATIO
 
 #: The KV-cache groups of a DeepSeek-V4 step, as the step builder takes them.
@@ -292,12 +292,14 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
                          f"prefills, got {compressed}")
     if not combined_prefill:
         return None, compressed
-    plan_args = (chunk_size, window_size, max_model_len, max_num_batched_tokens)
+    gathered = gathered_lengths(seq, queries, window_size)
     first, placed = starts[0], []
-    for ratio in (C128A_RATIO, 1):
+    for ratio, compressed_rows in ((C128A_RATIO, [length // C128A_RATIO for length in seq]),
+                                   (0, [0] * len(seq))):
         # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
         chunks = []
-        for start, end, N, M in plan_chunks(seq, queries, ratio, *plan_args):
+        for start, end, N, M in plan_chunks(compressed_rows, gathered, chunk_budget(
+                ratio, chunk_size, window_size, max_model_len, max_num_batched_tokens)):
             if M * (end - start) > INT32_MAX:
                 raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
                                  f"per request, {end - start} requests) exceeds int32")
