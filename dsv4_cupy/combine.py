@@ -323,15 +323,15 @@ def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_de
     then ``FrozenLaunch``es."""
     width = combined_width(topk, window_size)
     lanes = geometry.combine_lanes(width)
+
+    def requests(start, stop):
+        return QueryLayout(checks.rows_of(query_start_loc, start, stop + 1),
+                           checks.rows_of(seq_lens, start, stop), stop - start)
+
     launches = []
-    for first in range(0, len(chunks), MAX_PLAN_CHUNKS):
-        piece = chunks[first:first + MAX_PLAN_CHUNKS]
+    for piece in plan_pieces(chunks):
         a, b = num_decodes + piece[0].start, num_decodes + piece[-1].end
         t0, t1 = piece[0].first_row, piece[-1].end_row
-
-        def requests(start, stop):
-            return QueryLayout(checks.rows_of(query_start_loc, start, stop + 1),
-                               checks.rows_of(seq_lens, start, stop), stop - start)
 
         def describe_rows():
             return combine_launch(requests(a, b), None, None, checks.rows_of(out, t0, t1),
@@ -340,26 +340,38 @@ def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_de
 
         rows = describe_rows() if kept is None else kept(
             ("combine rows", out.ptr, a, b, t0, t1, compress_ratio, topk), describe_rows)
-        per_chunk = () if device >= 0 else tuple(      # the CPU's: a combine per chunk
-            combine_launch(requests(num_decodes + c.start, num_decodes + c.end), None, None,
-                           checks.rows_of(out, c.first_row, c.end_row),
-                           checks.rows_of(lens, c.first_row, c.end_row), c.end_row - c.first_row,
-                           window_size, compress_ratio, topk, c.rows_per_request, c.swa_offset,
-                           -1)
-            for c in piece)
-        pad = [0] * (MAX_PLAN_CHUNKS - len(piece))
-        plan = dict(chunks=len(piece),
-                    first_request=[c.start - piece[0].start for c in piece] + pad,
-                    rows_per_request=[c.rows_per_request for c in piece] + pad,
-                    swa_offset=[c.swa_offset for c in piece] + pad)
         if kept is None:
+            per_chunk = () if device >= 0 else tuple(      # the CPU's: a combine per chunk
+                combine_launch(requests(num_decodes + c.start, num_decodes + c.end), None, None,
+                               checks.rows_of(out, c.first_row, c.end_row),
+                               checks.rows_of(lens, c.first_row, c.end_row),
+                               c.end_row - c.first_row, window_size, compress_ratio, topk,
+                               c.rows_per_request, c.swa_offset, -1)
+                for c in piece)
             launches.append(Launch(None, rows.blocks,
-                                   dict(rows=rows, lanes=lanes, plan=PrefillPlan(**plan)),
+                                   dict(rows=rows, lanes=lanes, plan=plan_record(piece)),
                                    layout=PREFILL_COMBINE, parts=per_chunk))
         else:       # the rows frozen: the section's values as packed, with this plan's
             launches.append(FrozenLaunch(PREFILL_COMBINE.values(
-                rows=rows.values, lanes=lanes, plan=PREFILL_PLAN.values(**plan)), rows.blocks))
+                rows=rows.values, lanes=lanes, plan=PREFILL_PLAN.values_of(plan_record(piece))),
+                rows.blocks))
     return launches
+
+
+def plan_pieces(chunks: tuple[PlanChunk, ...]) -> list[tuple[PlanChunk, ...]]:
+    """A chunk plan in pieces of at most ``MAX_PLAN_CHUNKS`` chunks: a launch each."""
+    return [chunks[first:first + MAX_PLAN_CHUNKS]
+            for first in range(0, len(chunks), MAX_PLAN_CHUNKS)]
+
+
+def plan_record(piece: tuple[PlanChunk, ...]) -> PrefillPlan:
+    """A piece's ``PrefillPlan``: its chunks' first requests (from the piece's
+    first), M and N, padded to ``MAX_PLAN_CHUNKS``."""
+    pad = [0] * (MAX_PLAN_CHUNKS - len(piece))
+    first = piece[0].start
+    return PrefillPlan(chunks=len(piece), first_request=[c.start - first for c in piece] + pad,
+                       rows_per_request=[c.rows_per_request for c in piece] + pad,
+                       swa_offset=[c.swa_offset for c in piece] + pad)
 
 
 def warm_launches(tiny):

@@ -52,8 +52,6 @@ class FrozenLaunch(NamedTuple):
 
 
 _EMPTY: dict = {}
-#: Inputs that cannot change once made: one packed before is packed as it is.
-_FROZEN_TYPES = (FrozenLaunch, tuple)
 
 
 def table_of(table: Operand) -> BlockTable:
@@ -172,14 +170,6 @@ class Launch:
         return PreparedLaunch(self.family, self.family.entry_name(self.variant), device,
                               self.blocks, self.values(), self.family.threads(self.variant))
 
-    def prepare_into(self, prepared: "PreparedLaunch") -> "PreparedLaunch":
-        """``prepared`` (a launch of the same entry point) repacked with this
-        launch's values and blocks: no allocation, no function lookup. A field
-        whose input is the frozen object (a ``FrozenLaunch`` or a values tuple)
-        packed there by the last call is left as it is."""
-        prepared.repack_fields(self.layout, self.inputs, self.blocks)
-        return prepared
-
     def cpu_arguments(self) -> dict:
         """The numba kernel's arguments by name."""
         inputs = self.inputs
@@ -287,7 +277,7 @@ class PreparedLaunch:
 
     __slots__ = ("function", "device", "context", "context_id", "blocks", "threads", "storage",
                  "pointers", "kernel_params", "programmatic", "_configs", "_read_id", "_cuda",
-                 "_kernel", "_packed")
+                 "_kernel")
     #: Streams whose launch configurations a launch keeps (then it starts again).
     MAX_STREAMS = 8
 
@@ -301,7 +291,6 @@ class PreparedLaunch:
         self.device, self.blocks, self.threads = device, blocks, threads
         self.programmatic = programmatic_launch_supported(device)
         self._configs: dict = {}    # stream -> (its CUlaunchConfig, the config's address)
-        self._packed: dict = {}     # field -> the frozen input repack_fields packed there last
         self._read_id = loader.READ_CONTEXT_ID
         with self._cuda.Device(device):
             self.context = loader.current_context()
@@ -309,21 +298,6 @@ class PreparedLaunch:
             # The Function object keeps its module loaded for as long as the launch lives.
             self._kernel = loader.get(family, entry, (self.context, self.context_id))
             self.function = self._kernel.ptr
-
-    def repack_fields(self, params, inputs: dict, blocks: int) -> None:
-        """New inputs (by field name) and blocks for the same entry point (the
-        driver copies the struct at each launch, so an earlier launch is not
-        affected), packed field by field but for the frozen ones packed last."""
-        packed, storage = self._packed, self.storage
-        for name, offset, pack_into in params.field_packers:
-            value = inputs[name]
-            if type(value) in _FROZEN_TYPES and packed.get(name) is value:
-                continue
-            pack_into(storage, offset, *(value.values if type(value) is FrozenLaunch
-                                         else _flattened((value,))))
-            packed[name] = value
-        if blocks != self.blocks:
-            self.blocks, self._configs = blocks, {}
 
     def run(self, stream: int) -> bool:
         cuda = self._cuda

@@ -57,6 +57,11 @@ class _Layout:
         #: The values of a section a fused kernel leaves off (every field 0).
         self.off = (0,) * len(struct.unpack("<" + self.format, bytes(self.size)))
         self.values = self._function("values", f"return ({self._flat()},)", {})
+        namespace: dict = {}
+        exec(f"def values_of(record):\n    {', '.join(self.names)}, = record\n"
+             f"    return ({self._flat()},)\n", namespace)
+        #: The flattened values of a record of the fields, in their order.
+        self.values_of = namespace["values_of"]
         counts = [kind.count if isinstance(kind, Array) else len(kind.off)
                   if isinstance(kind, _Layout) else 1 for _, kind in fields]
         #: Each single-valued field's index in the flattened values.
@@ -73,6 +78,12 @@ class _Layout:
 
     def offsets(self) -> list[tuple[str, int]]:
         return [(name, self.dtype.fields[name][1]) for name in self.names]
+
+    def offset_of(self, name: str, *inner: str) -> int:
+        """A field's byte offset; with ``inner``, that of a field of the nested
+        layout ``name`` (names in turn)."""
+        offset = self.dtype.fields[name][1]
+        return offset + dict(self.fields)[name].offset_of(*inner) if inner else offset
 
     def _function(self, name: str, body: str, namespace: dict):
         args = ", ".join(self.names)
@@ -113,11 +124,6 @@ class Params(_Layout):
         super().__init__(c_name, fields)
         self.groups = tuple(kind for _, kind in fields if isinstance(kind, _Layout))
         self._struct = struct.Struct("<" + self.format)
-        #: (name, offset, pack_into(buffer, offset, *values)) of each field.
-        self.field_packers = tuple(
-            (name, offset, struct.Struct("<" + (kind.format if isinstance(kind, (_Layout, Array))
-                                                else _CODES[kind][0])).pack_into)
-            for (name, kind), (_, offset) in zip(self.fields, self.offsets()))
         self.pack_into = self._function(
             "pack_into", f"_pack_into(buffer, 0, {self._flat()})",
             {"_pack_into": self._struct.pack_into})

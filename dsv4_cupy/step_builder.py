@@ -19,7 +19,7 @@ from .slot_mapping import slot_mapping_launch
 from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_indexer import IndexerDecode
-from .step_kernel import step_launch
+from .step_kernel import PreparedStep, step_launch
 from .step_plan import (GROUPS, MAX_LAYOUT_SECTIONS, SectionCache, StepLayout, StepPlan, check_group_data,
                         check_group_metadata, check_groups, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
@@ -314,7 +314,8 @@ class DeepseekV4StepMetadataBuilder:
                                              self.swa_lens_buffer, self.max_blocks)
             self._owned.check_inputs([*arrays.ops.values(), *tables.values(), swa_slots])
             layout = StepLayout(arrays, tables, swa_slots, SectionCache(),
-                                PreparedCalls(MAX_LAYOUT_SECTIONS), [None])
+                                PreparedCalls(MAX_LAYOUT_SECTIONS),
+                                PreparedCalls(MAX_LAYOUT_SECTIONS))
             if layout_key is not None:
                 self._layouts.put(layout_key, layout)
         return layout
@@ -359,22 +360,16 @@ class DeepseekV4StepMetadataBuilder:
         layout = self._layout(cms, layout_key)
         plan = self._plan(cms, layout, capturing)
         metadata = self._metadata(plan, None if layout_key is None else layout.results)
-        launches = self._launches(plan, None if layout_key is None else layout.sections)
         if self.kind not in GPU_KINDS:
-            for launch in launches:
+            for launch in self._launches(plan, None):
                 launch.run_cpu()
             return metadata
         key = self._launch_key(cms["c128a"], layout_key, capturing)
         if key is None and layout_key is not None:
-            # Not kept whole (a step with prefills): the layout's sections are
-            # frozen and its step launch repacked, step after step.
-            main = layout.launch[0]
-            layout.launch[0] = (launches[0].prepare(self.device) if main is None
-                                else launches[0].prepare_into(main))
-            prepared = (layout.launch[0],) + tuple(launch.prepare(self.device)
-                                                   for launch in launches[1:])
+            prepared = self._prepared_step(plan, layout)
         else:
-            prepared = tuple(launch.prepare(self.device) for launch in launches)
+            prepared = tuple(launch.prepare(self.device) for launch in self._launches(
+                plan, None if layout_key is None else layout.sections))
         call = PreparedCall(tuple(launch for launch in prepared if launch.blocks), self.kind,
                             self.device, metadata,
                             owned=metadata.arrays() if key is not None else ())
@@ -384,6 +379,26 @@ class DeepseekV4StepMetadataBuilder:
         if key is not None:
             self._prepared.put(key, (call, metadata))
         return metadata
+
+    def _prepared_step(self, plan: StepPlan, layout: StepLayout) -> tuple:
+        """The prepared launches of a step not kept whole (one with prefills)
+        under a known layout: those of an earlier step with the same host
+        decisions but its chunks' N and M and the indexer's compressed rows,
+        with this step's written in (``PreparedStep.patch``); else described
+        from the layout's sections and prepared."""
+        chunks = plan.chunks
+        key = (plan.split, plan.width, plan.c128a_tokens, plan.valid_tokens, plan.short_context,
+               plan.native_decode_shape, None if chunks is None else chunks.bounds)
+        step = layout.steps.get(key)
+        if step is None:
+            launches = self._launches(plan, layout.sections)
+            step = PreparedStep(launches, tuple(launch.prepare(self.device)
+                                                for launch in launches))
+            layout.steps.put(key, step)
+        elif plan.split.num_prefills:
+            step.patch(plan.compressed, None if chunks is None else
+                       {"c128a_combine": chunks.c128a, "swa_combine": chunks.swa})
+        return step.launches
 
     def _launches(self, plan: StepPlan, cache: SectionCache | None) -> list:
         """The step kernel with every section this step needs (a prefill plan

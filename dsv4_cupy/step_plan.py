@@ -66,16 +66,15 @@ def _frozen(described):
 
 
 class StepLayout(NamedTuple):
-    """What steps with the same arrays and counts share: their checks, their
-    described sections and result views (GPU) and the step kernel's launch,
-    repacked for each step."""
+    """What steps with the same arrays and counts share: their checks and
+    (GPU) their described sections, result views and prepared launches."""
 
     arrays: StepArrays
     tables: dict
     swa_slot_mapping: Operand
     sections: SectionCache
     results: object              # prepared.PreparedCalls: the metadata views by host decisions
-    launch: list                 # [the step kernel's PreparedLaunch], filled by the first build
+    steps: object                # prepared.PreparedCalls: PreparedStep by host decisions
 
 
 @dataclass
@@ -84,6 +83,7 @@ class ChunkPlans:
 
     c128a: tuple         # (PlanChunk, ...) of the C128A layers
     swa: tuple           # (PlanChunk, ...) of the SWA-only layers
+    bounds: tuple        # both plans' (start, end, first_row, end_row): the chunks but N, M
 
 
 @dataclass
@@ -293,17 +293,18 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
     if not combined_prefill:
         return None, compressed
     gathered = gathered_lengths(seq, queries, window_size)
-    first, placed = starts[0], []
+    # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
+    first, placed, bounds = starts[0], [], []
+    row_ends = [start - first for start in starts[1:-1]] + [split.num_prefill_tokens]
     for ratio, compressed_rows in ((C128A_RATIO, [length // C128A_RATIO for length in seq]),
                                    (0, [0] * len(seq))):
-        # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
         chunks = []
         for start, end, N, M in plan_chunks(compressed_rows, gathered, chunk_budget(
                 ratio, chunk_size, window_size, max_model_len, max_num_batched_tokens)):
             if M * (end - start) > INT32_MAX:
                 raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
                                  f"per request, {end - start} requests) exceeds int32")
-            chunks.append(PlanChunk(start, end, N, M, starts[start] - first, starts[end] - first))
-        chunks[-1] = chunks[-1]._replace(end_row=split.num_prefill_tokens)
+            chunks.append(PlanChunk(start, end, N, M, starts[start] - first, row_ends[end - 1]))
         placed.append(tuple(chunks))
-    return ChunkPlans(*placed), compressed
+        bounds.append(tuple((c.start, c.end, c.first_row, c.end_row) for c in chunks))
+    return ChunkPlans(*placed, tuple(bounds)), compressed

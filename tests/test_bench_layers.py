@@ -96,12 +96,12 @@ def test_the_load_chain_runs_each_way_it_can_be_launched():
 
 def test_the_step_benchs_phases_time_the_builders_own_steps_over_advancing_contexts():
     """The whole-step bench's host phases wrap the builder's own steps (here
-    the CPU path: no packing or launching) and put them back afterwards; the
+    the CPU path: no prepared launches) and put them back afterwards; the
     advancing prefill contexts give each build new plans."""
     import numpy as np
 
     import dsv4_cupy as d4
-    from dsv4_cupy import launch, prepared
+    from dsv4_cupy import prepared
     from dsv4_cupy.bench import step as step_bench
     from dsv4_cupy.bench.cli import MAX_MODEL_LEN, make_step
 
@@ -122,10 +122,10 @@ def test_the_step_benchs_phases_time_the_builders_own_steps_over_advancing_conte
         plans.add(tuple(builder.build(0, cms).c128a_prefill_chunks))
         assert (seq[4:] >= np.diff(step["qsl"])[4:]).all()
     assert len(plans) == 5
-    originals = (launch.Launch.prepare_into, prepared.PreparedCall.run)
+    original = prepared.PreparedCall.run
     phases = step_bench.host_phases(builder, cms, advance, reps=5)
     assert set(phases) == {name for name, _ in step_bench.PHASES} | {"other"}
-    assert all(phases[name] > 0 for name in ("checks", "planning", "views", "describe"))
-    assert phases["pack"] == phases["launch"] == 0
-    assert (launch.Launch.prepare_into, prepared.PreparedCall.run) == originals
+    assert all(phases[name] > 0 for name in ("checks", "planning", "views", "other"))
+    assert phases["prepare"] == phases["launch"] == 0
+    assert prepared.PreparedCall.run is original
     assert "_plan" not in vars(builder)

@@ -569,61 +569,72 @@ def assert_same_metadata(got, want):
             assert a is e, field.name
 
 
-def test_a_layouts_kept_sections_pack_what_a_fresh_description_packs():
-    """The GPU path's cache of a layout's sections (``SectionCache``: frozen
-    per set of host decisions, the indexer's compressed count set in its
-    values, combine rows kept apart from their chunk plans), its
-    field-by-field repacking and its result views give the struct bytes and
-    the metadata a fresh description gives, step after step (checked on the
-    CPU): new splits, query and sequence lengths, widths and chunk plans
-    (more than a launch carries) under one layout, past the caches' size."""
-    import struct
+def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatch):
+    """The GPU path of a step with prefills under a known layout: its
+    sections kept frozen per set of host decisions (``SectionCache``: the
+    indexer's compressed count set in its values, combine rows kept apart
+    from their chunk plans), its prepared launches kept per set of host
+    decisions but the chunks' N and M and the compressed count, which are
+    written in (``PreparedStep``), and its result views, give the struct
+    bytes, blocks and metadata a fresh description gives, step after step
+    (checked on the CPU, the launches' storage without a device): new
+    splits, query and sequence lengths, widths and chunk plans (more than a
+    launch carries) under one layout, past the caches' size."""
+    from dsv4_cupy.step_plan import MAX_LAYOUT_SECTIONS
 
-    from dsv4_cupy.prepared import PreparedCalls
-    from dsv4_cupy.step_plan import MAX_LAYOUT_SECTIONS, SectionCache
+    def prepare(launch, device):                # the launch's storage, no device
+        prepared = object.__new__(PreparedLaunch)
+        prepared.storage = np.zeros(launch.layout.size, np.uint8)
+        launch.layout.pack_values_into(prepared.storage, launch.values())
+        prepared.blocks = launch.blocks
+        return prepared
 
+    monkeypatch.setattr(d4.launch.Launch, "prepare", prepare)
     rng = np.random.default_rng(31)
     requests, tokens = 700, 2600
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, tokens + 7,
                                                num_speculative_tokens=SPEC, combined_prefill=True,
                                                prefill_chunk_size=1, max_num_compressed=1 << 21)
     cms = make_step(rng, 0, [tokens - 3 * (requests - 1)] + [3] * (requests - 1), 7)
-    layout, cache = builder._layout(cms, None), SectionCache()
-    results = PreparedCalls(MAX_LAYOUT_SECTIONS)
-    prepared = object.__new__(PreparedLaunch)   # its storage and repacking, no device
-    prepared.storage = np.zeros(d4.step_kernel.PARAMS.size, np.uint8)
-    prepared._packed, prepared.blocks, prepared._configs = {}, 0, {}
-    c128a, most_launches = cms["c128a"], 0
-    for step in range(MAX_LAYOUT_SECTIONS + 20):
-        decodes = int(rng.integers(0, 40))      # of 2 tokens, then prefills of 3 or more
-        prefills = requests - decodes
-        query = np.concatenate([[2] * decodes, 3 + rng.multinomial(
-            tokens - 2 * decodes - 3 * prefills, [1 / prefills] * prefills)])
-        seq = query + rng.integers(0, int(rng.integers(2, MAX_MODEL_LEN - int(query.max()))),
-                                   requests)
+    layout = builder._layout(cms, None)
+    c128a, most_launches, patched = cms["c128a"], 0, 0
+    for step in range(MAX_LAYOUT_SECTIONS + 40):
+        if step % 3:                            # the same decisions but N, M and compressed
+            query = np.diff(c128a.query_start_loc_cpu)
+        else:                                   # decodes of 2 tokens, prefills of 3 or more
+            decodes = int(rng.integers(0, 40))
+            prefills = requests - decodes
+            query = np.concatenate([[2] * decodes, 3 + rng.multinomial(
+                tokens - 2 * decodes - 3 * prefills, [1 / prefills] * prefills)])
+        longest = int(rng.integers(2, MAX_MODEL_LEN - int(query.max())))
+        seq = query + rng.integers(0, longest, requests)
         c128a.query_start_loc_cpu[...] = np.concatenate([[0], np.cumsum(query)])
         c128a.seq_lens_cpu[...] = seq
-        c128a.max_query_len, c128a.max_seq_len = int(query.max()), int(seq.max())
+        c128a.max_query_len = int(query.max())
+        if step % 3 == 0:
+            c128a.max_seq_len = int(seq.max())
         plan = builder._plan(cms, layout, False)
-        fresh, kept = builder._launches(plan, None), builder._launches(plan, cache)
-        assert [launch.values() for launch in kept] == [launch.values() for launch in fresh]
-        assert [launch.blocks for launch in kept] == [launch.blocks for launch in fresh]
-        main = fresh[0]
-        kept[0].prepare_into(prepared)
-        want = struct.pack("<" + main.layout.format, *main.values())
-        assert prepared.storage.tobytes() == want, step
-        assert prepared.blocks == main.blocks
+        before = len(layout.steps._calls)
+        prepared, fresh = builder._prepared_step(plan, layout), builder._launches(plan, None)
+        patched += len(layout.steps._calls) == before
+        assert len(prepared) == len(fresh)
+        for ready, launch in zip(prepared, fresh):
+            want = np.zeros(launch.layout.size, np.uint8)
+            launch.layout.pack_values_into(want, launch.values())
+            assert ready.storage.tobytes() == want.tobytes(), step
+            assert ready.blocks == launch.blocks
         most_launches = max(most_launches, len(fresh))
-        kept_metadata = builder._metadata(plan, results)
+        kept_metadata = builder._metadata(plan, layout.results)
         assert_same_metadata(kept_metadata, builder._metadata(plan))
         if step % 7 == 0:          # changed in place by the caller: not handed out again
             kept_metadata.c128a.req_id_per_token.shape = (1, plan.num_tokens)
-            again = builder._metadata(plan, results)
+            again = builder._metadata(plan, layout.results)
             assert again.c128a.req_id_per_token.shape == (plan.num_tokens,)
             assert again.req_id_per_token is again.c128a.req_id_per_token
             assert_same_metadata(again, builder._metadata(plan))
     assert most_launches > 1                    # a plan longer than a launch carries
-    assert len(cache._frozen) == MAX_LAYOUT_SECTIONS
+    assert patched > MAX_LAYOUT_SECTIONS // 2   # most steps wrote into kept launches
+    assert len(layout.sections._frozen) == MAX_LAYOUT_SECTIONS
 
 
 def test_more_requests_than_the_query_layout_names_num_reqs():

@@ -39,10 +39,12 @@ STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x
 #: The decode step the mixed steps' host time is compared with (their decodes alone).
 PREFILL_DECODES_CASE = "decode 64x1"
 
-#: The host phases of a build with prefills, by the builder's steps they time.
+#: The host phases of a build with prefills, by the builder's steps they time:
+#: "prepare" is its kept launches with this step's values written in (or, for
+#: new host decisions, the launches described and prepared).
 PHASES = (("checks", ("_layout_key", "_layout")), ("planning", ("_plan",)),
-          ("views", ("_metadata",)), ("describe", ("_launches",)),
-          ("pack", ("Launch.prepare_into",)), ("launch", ("PreparedCall.run",)))
+          ("views", ("_metadata",)), ("prepare", ("_prepared_step",)),
+          ("launch", ("PreparedCall.run",)))
 
 
 def advancing(step: dict, nd_requests: int):
@@ -69,7 +71,7 @@ def host_phases(builder, cms, advance, reps: int = 400) -> dict:
     prefills (the decode steps' prepared path is one launch): the builder's
     own steps (``PHASES``) timed in place, the median per phase over
     ``reps`` builds, and "other", the rest of the build (its glue)."""
-    from .. import launch, prepared
+    from .. import prepared
     clock = time.perf_counter_ns
     spent = dict.fromkeys((name for name, _ in PHASES), 0)
 
@@ -85,8 +87,7 @@ def host_phases(builder, cms, advance, reps: int = 400) -> dict:
     patched = []
     for phase, steps in PHASES:
         for step in steps:
-            owner, name = ((launch.Launch, step[7:]) if step.startswith("Launch.") else
-                           (prepared.PreparedCall, step[13:]) if step.startswith("PreparedCall.")
+            owner, name = ((prepared.PreparedCall, step[13:]) if step.startswith("PreparedCall.")
                            else (builder, step))
             patched.append((owner, name, owner.__dict__.get(name)))
             setattr(owner, name, timed(phase, getattr(owner, name)))
