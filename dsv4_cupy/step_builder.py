@@ -19,8 +19,8 @@ from .slot_mapping import slot_mapping_launch
 from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_indexer import IndexerDecode
-from .step_kernel import PreparedStep, step_launch
-from .step_plan import (GROUPS, MAX_LAYOUT_SECTIONS, SectionCache, StepLayout, StepPlan, check_group_data,
+from .step_kernel import step_launch
+from .step_plan import (GROUPS, MAX_LAYOUT_SECTIONS, PreparedStep, SectionCache, StepLayout, StepPlan, check_group_data,
                         check_group_metadata, check_groups, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
 
@@ -366,13 +366,12 @@ class DeepseekV4StepMetadataBuilder:
             return metadata
         key = self._launch_key(cms["c128a"], layout_key, capturing)
         if key is None and layout_key is not None:
-            prepared = self._prepared_step(plan, layout)
+            call = self._prepared_step(plan, layout).call
         else:
-            prepared = tuple(launch.prepare(self.device) for launch in self._launches(
-                plan, None if layout_key is None else layout.sections))
-        call = PreparedCall(tuple(launch for launch in prepared if launch.blocks), self.kind,
-                            self.device, metadata,
-                            owned=metadata.arrays() if key is not None else ())
+            launches = self._launches(plan, None if layout_key is None else layout.sections)
+            call = PreparedCall(tuple(launch.prepare(self.device) for launch in launches
+                                      if launch.blocks), self.kind, self.device, metadata,
+                                owned=metadata.arrays() if key is not None else ())
         if not call.run():
             raise RuntimeError("DeepseekV4StepMetadataBuilder.build: the device changed "
                                "during the build")
@@ -380,7 +379,7 @@ class DeepseekV4StepMetadataBuilder:
             self._prepared.put(key, (call, metadata))
         return metadata
 
-    def _prepared_step(self, plan: StepPlan, layout: StepLayout) -> tuple:
+    def _prepared_step(self, plan: StepPlan, layout: StepLayout) -> PreparedStep:
         """The prepared launches of a step not kept whole (one with prefills)
         under a known layout: those of an earlier step with the same host
         decisions but its chunks' N and M and the indexer's compressed rows,
@@ -391,14 +390,12 @@ class DeepseekV4StepMetadataBuilder:
                plan.native_decode_shape, None if chunks is None else chunks.bounds)
         step = layout.steps.get(key)
         if step is None:
-            launches = self._launches(plan, layout.sections)
-            step = PreparedStep(launches, tuple(launch.prepare(self.device)
-                                                for launch in launches))
+            step = PreparedStep(self._launches(plan, layout.sections), self.kind, self.device)
             layout.steps.put(key, step)
         elif plan.split.num_prefills:
             step.patch(plan.compressed, None if chunks is None else
                        {"c128a_combine": chunks.c128a, "swa_combine": chunks.swa})
-        return step.launches
+        return step
 
     def _launches(self, plan: StepPlan, cache: SectionCache | None) -> list:
         """The step kernel with every section this step needs (a prefill plan

@@ -4,8 +4,6 @@ blocks, in the order of ``SECTIONS``. On the CPU its sections' kernels run in
 that order, after the step's own validity pass."""
 from __future__ import annotations
 
-import struct
-
 from numba import njit
 
 from . import (c128a, combine, indexer_decode, indexer_native_decode, indexer_prefill,
@@ -66,45 +64,6 @@ def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None 
                   is_valid_out=optional(is_valid_out, BOOL))
     return Launch(FAMILY, total, inputs, variant=variant, kernel=cpu_step_validity,
                   parts=tuple(sections[name] for name in SECTION_NAMES if name in sections))
-
-
-#: The step kernel's combine sections, whose plans a prepared step rewrites.
-COMBINE_SECTIONS = ("c128a_combine", "swa_combine")
-_NUM_COMPRESSED = PARAMS.offset_of("indexer_prefill", "num_compressed")
-_PLAN_OFFSETS = {name: PARAMS.offset_of(name, "plan") for name in COMBINE_SECTIONS}
-_PACK_INT64 = struct.Struct("<q").pack_into
-_PACK_PLAN = struct.Struct("<" + combine.PREFILL_PLAN.format).pack_into
-
-
-class PreparedStep:
-    """A step's prepared launches of the step kernel, and where in them each
-    piece of its combine plans sits: a later step with the same host
-    decisions but the chunks' N and M and the indexer's compressed rows
-    (which neither the blocks nor any other field depend on) writes those
-    into the same launches."""
-
-    __slots__ = ("launches", "_plans")
-
-    def __init__(self, launches: list[Launch], prepared: tuple):
-        self.launches = prepared
-        # (launch index, combine section, piece index) of each combine piece, in launch order.
-        self._plans, pieces = [], dict.fromkeys(COMBINE_SECTIONS, 0)
-        for index, launch in enumerate(launches):
-            for name in COMBINE_SECTIONS:
-                if type(launch.inputs[name]) is not tuple:      # an off section's values
-                    self._plans.append((index, name, pieces[name]))
-                    pieces[name] += 1
-
-    def patch(self, num_compressed: int, chunks: dict | None) -> None:
-        """Write the indexer's compressed rows and, with ``chunks`` (combine
-        section: its chunk plan), each piece's plan."""
-        _PACK_INT64(self.launches[0].storage, _NUM_COMPRESSED, num_compressed)
-        if chunks is None:
-            return
-        pieces = {name: combine.plan_pieces(plan) for name, plan in chunks.items()}
-        for index, name, piece in self._plans:
-            _PACK_PLAN(self.launches[index].storage, _PLAN_OFFSETS[name],
-                       *combine.PREFILL_PLAN.values_of(combine.plan_record(pieces[name][piece])))
 
 
 def warm_launches(tiny):

@@ -3,19 +3,21 @@ decisions of a step with prefills (the chunk plans, the indexer's compressed
 rows), typed (``StepPlan``)."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from . import checks, host, validation
+from . import checks, combine, host, step_kernel, validation
 from .combine import PlanChunk
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .group import KVCacheGroup, Split, StepArrays
-from .launch import FrozenLaunch
 from .kinds import HOST_KINDS, INT32, INT32_MAX, INT64, Operand, describe, probe, probe_all
+from .launch import FrozenLaunch, Launch
 from .metadata import CommonAttentionMetadata
 from .prefill_plan import chunk_budget, gathered_lengths, plan_chunks
+from .prepared import PreparedCall
 from .spec import C4A_RATIO, C128A_RATIO
 
 #: The KV-cache groups of a DeepSeek-V4 step, as the step builder takes them.
@@ -65,6 +67,47 @@ def _frozen(described):
     return described.frozen()
 
 
+#: The step kernel's combine sections, whose plans a prepared step rewrites.
+COMBINE_SECTIONS = ("c128a_combine", "swa_combine")
+_NUM_COMPRESSED = step_kernel.PARAMS.offset_of("indexer_prefill", "num_compressed")
+_PLAN_OFFSETS = {name: step_kernel.PARAMS.offset_of(name, "plan") for name in COMBINE_SECTIONS}
+_PACK_INT64 = struct.Struct("<q").pack_into
+_PACK_PLAN = struct.Struct("<" + combine.PREFILL_PLAN.format).pack_into
+
+
+class PreparedStep:
+    """A step's launches of the step kernel prepared on ``device`` (``call``
+    runs those with blocks), and where in them each piece of its combine
+    plans sits: a later step with the same host decisions but the chunks' N
+    and M and the indexer's compressed rows (which neither the blocks nor any
+    other field depend on) writes those into the same launches."""
+
+    __slots__ = ("launches", "call", "_plans")
+
+    def __init__(self, launches: list[Launch], kind: str, device: int):
+        self.launches = tuple(launch.prepare(device) for launch in launches)
+        self.call = PreparedCall(tuple(launch for launch in self.launches if launch.blocks),
+                                 kind, device, None)
+        # (launch index, combine section, piece index) of each combine piece, in launch order.
+        self._plans, pieces = [], dict.fromkeys(COMBINE_SECTIONS, 0)
+        for index, launch in enumerate(launches):
+            for name in COMBINE_SECTIONS:
+                if type(launch.inputs[name]) is not tuple:      # an off section's values
+                    self._plans.append((index, name, pieces[name]))
+                    pieces[name] += 1
+
+    def patch(self, num_compressed: int, chunks: dict | None) -> None:
+        """Write the indexer's compressed rows and, with ``chunks`` (combine
+        section: its chunk plan), each piece's plan."""
+        _PACK_INT64(self.launches[0].storage, _NUM_COMPRESSED, num_compressed)
+        if chunks is None:
+            return
+        pieces = {name: combine.plan_pieces(plan) for name, plan in chunks.items()}
+        for index, name, piece in self._plans:
+            _PACK_PLAN(self.launches[index].storage, _PLAN_OFFSETS[name],
+                       *combine.PREFILL_PLAN.values_of(combine.plan_record(pieces[name][piece])))
+
+
 class StepLayout(NamedTuple):
     """What steps with the same arrays and counts share: their checks and
     (GPU) their described sections, result views and prepared launches."""
@@ -74,7 +117,7 @@ class StepLayout(NamedTuple):
     swa_slot_mapping: Operand
     sections: SectionCache
     results: object              # prepared.PreparedCalls: the metadata views by host decisions
-    steps: object                # prepared.PreparedCalls: PreparedStep by host decisions
+    steps: object                # prepared.PreparedCalls: a PreparedStep by host decisions
 
 
 @dataclass

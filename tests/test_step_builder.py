@@ -615,7 +615,8 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatc
             c128a.max_seq_len = int(seq.max())
         plan = builder._plan(cms, layout, False)
         before = len(layout.steps._calls)
-        prepared, fresh = builder._prepared_step(plan, layout), builder._launches(plan, None)
+        prepared = builder._prepared_step(plan, layout).launches
+        fresh = builder._launches(plan, None)
         patched += len(layout.steps._calls) == before
         assert len(prepared) == len(fresh)
         for ready, launch in zip(prepared, fresh):
