@@ -3,6 +3,7 @@ decisions of a step with prefills (the chunk plans, the indexer's compressed
 rows), typed (``StepPlan``)."""
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,9 +71,17 @@ def _frozen(described):
 #: The step kernel's combine sections, whose plans a prepared step rewrites.
 COMBINE_SECTIONS = ("c128a_combine", "swa_combine")
 _NUM_COMPRESSED = step_kernel.PARAMS.offset_of("indexer_prefill", "num_compressed")
-_PLAN_OFFSETS = {name: step_kernel.PARAMS.offset_of(name, "plan") for name in COMBINE_SECTIONS}
+#: Each combine section's plan arrays of M and N: their offsets in the step's struct.
+_PLAN_ARRAYS = {name: tuple(step_kernel.PARAMS.offset_of(name, "plan", array)
+                            for array in ("rows_per_request", "swa_offset"))
+                for name in COMBINE_SECTIONS}
 _PACK_INT64 = struct.Struct("<q").pack_into
-_PACK_PLAN = struct.Struct("<" + combine.PREFILL_PLAN.format).pack_into
+
+
+@functools.lru_cache(maxsize=None)
+def _int32s(count: int):
+    """``pack_into`` of ``count`` int32 values."""
+    return struct.Struct(f"<{count}i").pack_into
 
 
 class PreparedStep:
@@ -98,14 +107,19 @@ class PreparedStep:
 
     def patch(self, num_compressed: int, chunks: dict | None) -> None:
         """Write the indexer's compressed rows and, with ``chunks`` (combine
-        section: its chunk plan), each piece's plan."""
+        section: its chunk plan), each piece's chunks' M and N (the rest of a
+        ``combine.plan_record``, the chunks and their first requests, is
+        fixed by the chunks' bounds, which the step's host decisions hold)."""
         _PACK_INT64(self.launches[0].storage, _NUM_COMPRESSED, num_compressed)
         if chunks is None:
             return
         pieces = {name: combine.plan_pieces(plan) for name, plan in chunks.items()}
         for index, name, piece in self._plans:
-            _PACK_PLAN(self.launches[index].storage, _PLAN_OFFSETS[name],
-                       *combine.PREFILL_PLAN.values_of(combine.plan_record(pieces[name][piece])))
+            piece = pieces[name][piece]
+            pack, storage = _int32s(len(piece)), self.launches[index].storage
+            rows_at, offsets_at = _PLAN_ARRAYS[name]
+            pack(storage, rows_at, *[chunk.rows_per_request for chunk in piece])
+            pack(storage, offsets_at, *[chunk.swa_offset for chunk in piece])
 
 
 class StepLayout(NamedTuple):

@@ -597,27 +597,27 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatc
                                                prefill_chunk_size=1, max_num_compressed=1 << 21)
     cms = make_step(rng, 0, [tokens - 3 * (requests - 1)] + [3] * (requests - 1), 7)
     layout = builder._layout(cms, None)
-    c128a, most_launches, patched = cms["c128a"], 0, 0
+    c128a, most_launches = cms["c128a"], 0
+    last, patched = {}, 0           # a kept PreparedStep's last values; hits with new ones
     for step in range(MAX_LAYOUT_SECTIONS + 40):
-        if step % 3:                            # the same decisions but N, M and compressed
-            query = np.diff(c128a.query_start_loc_cpu)
-        else:                                   # decodes of 2 tokens, prefills of 3 or more
+        if step % 3:                # the same split, contexts a few tokens on: new N, M
+            seq = np.minimum(c128a.seq_lens_cpu + rng.integers(0, 3, requests), MAX_MODEL_LEN)
+        else:                       # decodes of 2 tokens, prefills of 3 or more
             decodes = int(rng.integers(0, 40))
             prefills = requests - decodes
             query = np.concatenate([[2] * decodes, 3 + rng.multinomial(
                 tokens - 2 * decodes - 3 * prefills, [1 / prefills] * prefills)])
-        longest = int(rng.integers(2, MAX_MODEL_LEN - int(query.max())))
-        seq = query + rng.integers(0, longest, requests)
-        c128a.query_start_loc_cpu[...] = np.concatenate([[0], np.cumsum(query)])
+            longest = int(rng.integers(2, MAX_MODEL_LEN - int(query.max())))
+            seq = query + rng.integers(0, longest, requests)
+            c128a.query_start_loc_cpu[...] = np.concatenate([[0], np.cumsum(query)])
+            c128a.max_query_len, c128a.max_seq_len = int(query.max()), int(seq.max())
         c128a.seq_lens_cpu[...] = seq
-        c128a.max_query_len = int(query.max())
-        if step % 3 == 0:
-            c128a.max_seq_len = int(seq.max())
         plan = builder._plan(cms, layout, False)
-        before = len(layout.steps._calls)
-        prepared = builder._prepared_step(plan, layout).launches
-        fresh = builder._launches(plan, None)
-        patched += len(layout.steps._calls) == before
+        kept = builder._prepared_step(plan, layout)
+        values = (plan.compressed, plan.chunks.c128a, plan.chunks.swa)
+        patched += id(kept) in last and last[id(kept)][1] is kept and last[id(kept)][0] != values
+        last[id(kept)] = (values, kept)
+        prepared, fresh = kept.launches, builder._launches(plan, None)
         assert len(prepared) == len(fresh)
         for ready, launch in zip(prepared, fresh):
             want = np.zeros(launch.layout.size, np.uint8)
@@ -634,7 +634,7 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatc
             assert again.req_id_per_token is again.c128a.req_id_per_token
             assert_same_metadata(again, builder._metadata(plan))
     assert most_launches > 1                    # a plan longer than a launch carries
-    assert patched > MAX_LAYOUT_SECTIONS // 2   # most steps wrote into kept launches
+    assert patched > MAX_LAYOUT_SECTIONS // 2   # most steps wrote new values into kept launches
     assert len(layout.sections._frozen) == MAX_LAYOUT_SECTIONS
 
 
