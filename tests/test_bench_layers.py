@@ -129,3 +129,22 @@ def test_the_step_benchs_phases_time_the_builders_own_steps_over_advancing_conte
     assert phases["prepare"] == phases["launch"] == 0
     assert prepared.PreparedCall.run is original
     assert "_plan" not in vars(builder)
+
+
+def test_the_step_tables_print_every_row(capsys):
+    """The whole-step tables (the rows the GPU bench makes) print without a GPU."""
+    from dsv4_cupy.bench import step as step_bench
+
+    phases = dict.fromkeys([name for name, _ in step_bench.PHASES] + ["other"], 1.5)
+    rows = [{"case": name, "tokens": 3, "launches": 1, "c128a_graph_us": 2.0,
+             "step_graph_us": 3.0, "x_c128a_gpu": 1.5, "c128a_host_us": 10.0,
+             "step_host_us": 12.0, "step_x_floor": 3.4, "host_phases_us": phases,
+             "host_x_gpu": 4.0, "upstream_launches": 9, "upstream_graph_us": 9.0,
+             "x_upstream_gpu": 3.0, "upstream_host_us": 99.0, "x_upstream_host": 8.25,
+             "upstream_same": True, **({"host_x_decode": 1.0} if prefills else {})}
+            for name, _, _, prefills in step_bench.STEP_CASES]
+    step_bench.print_step_rows(rows)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name, *_ in step_bench.STEP_CASES:       # a row in each of the three tables
+        assert sum(line.startswith(f"{name:16} ") for line in lines) == 3, name

@@ -39,10 +39,12 @@ STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x
 #: The decode step the mixed steps' host time is compared with (their decodes alone).
 PREFILL_DECODES_CASE = "decode 64x1"
 
-#: The host phases of a build with prefills, by the builder's steps they time:
-#: "prepare" is its kept launches with this step's values written in (or, for
-#: new host decisions, the launches described and prepared).
-PHASES = (("checks", ("_layout_key", "_layout")), ("planning", ("_plan",)),
+#: The host phases of a build, by the builder's steps they time. A decode
+#: step's prepared path has its key (checks), its launch key (planning: the
+#: width and the short-context choice) and the launch; a step with prefills
+#: all of them, "prepare" being its kept launches with this step's values
+#: written in (or, for new host decisions, the launches described and prepared).
+PHASES = (("checks", ("_layout_key", "_layout")), ("planning", ("_plan", "_launch_key")),
           ("views", ("_metadata",)), ("prepare", ("_prepared_step",)),
           ("launch", ("PreparedCall.run",)))
 
@@ -67,10 +69,10 @@ def advancing(step: dict, nd_requests: int):
 
 
 def host_phases(builder, cms, advance, reps: int = 400) -> dict:
-    """Host us of each phase of ``builder.build`` over advancing steps with
-    prefills (the decode steps' prepared path is one launch): the builder's
-    own steps (``PHASES``) timed in place, the median per phase over
-    ``reps`` builds, and "other", the rest of the build (its glue)."""
+    """Host us of each phase of ``builder.build``, ``advance()`` before each
+    build (a step with prefills: ``advancing``): the builder's own steps
+    (``PHASES``) timed in place, the median per phase over ``reps`` builds,
+    and "other", the rest of the build (its glue)."""
     from .. import prepared
     clock = time.perf_counter_ns
     spent = dict.fromkeys((name for name, _ in PHASES), 0)
@@ -257,9 +259,8 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
         for who, fn, host_fn in timed:
             row[f"{who}_graph_us"] = timer.graph_us(fn)
             row[f"{who}_host_us"] = timer.host_us(host_fn or fn)
-        if prefills:
-            row["host_phases_us"] = host_phases(whole, cms, advance)
-            step["seq"][:] = original_seq
+        row["host_phases_us"] = host_phases(whole, cms, advance)
+        step["seq"][:] = original_seq
         row["x_c128a_gpu"] = row["step_graph_us"] / row["c128a_graph_us"]
         row["step_x_floor"] = row["step_host_us"] / launch_floor_us
         if ports is not None:
@@ -274,27 +275,26 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
         rows.append(row)
     decode = next((r for r in rows if r["case"] == PREFILL_DECODES_CASE), None)
     for row in rows:
-        if "host_phases_us" in row:
-            row["host_x_gpu"] = row["step_host_us"] / row["step_graph_us"]
-            if decode is not None:
-                row["host_x_decode"] = row["step_host_us"] / decode["step_host_us"]
+        row["host_x_gpu"] = row["step_host_us"] / row["step_graph_us"]
+        if decode is not None:
+            row["host_x_decode"] = row["step_host_us"] / decode["step_host_us"]
     return rows
 
 
 def print_step_rows(rows: list[dict]) -> None:
-    phased = [r for r in rows if "host_phases_us" in r]
-    if phased:
-        names = list(phased[0]["host_phases_us"])
-        print("\nwhole step with prefills: host us per phase of a build, the median over "
-              "builds of advancing prefill contexts; the step's host us, and it over its GPU "
-              f"us and over the host us of {PREFILL_DECODES_CASE}")
+    if rows:
+        names = list(rows[0]["host_phases_us"])
+        print("\nwhole step: host us per phase of a build, the median over builds (with "
+              "prefills: of advancing prefill contexts); the step's host us, and it over the "
+              f"launch floor, its GPU us and the host us of {PREFILL_DECODES_CASE}")
         print(f"{'case':16} " + " ".join(f"{name:>9}" for name in names)
-              + f" {'sum':>9} {'host':>9} {'x gpu':>6} {'x decode':>8}")
-        for r in phased:
+              + f" {'sum':>9} {'host':>9} {'x floor':>7} {'x gpu':>6} {'x decode':>8}")
+        for r in rows:
             phases = r["host_phases_us"]
             print(f"{r['case']:16} " + " ".join(f"{phases[name]:9.2f}" for name in names)
                   + f" {sum(phases.values()):9.2f} {r['step_host_us']:9.2f} "
-                  f"{r['host_x_gpu']:6.2f} {r.get('host_x_decode', float('nan')):8.2f}")
+                  f"{r['step_x_floor']:7.2f} {r['host_x_gpu']:6.2f} "
+                  f"{r.get('host_x_decode', float('nan')):8.2f}")
     if rows and "upstream_graph_us" in rows[0]:
         print("\nwhole step against upstream's sequence (per-group builders, per-layer combines)")
         print(f"{'case':16} {'launches':>8} {'upstream':>8} {'step gpu':>9} {'upstream gpu':>12} "
