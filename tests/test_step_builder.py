@@ -498,6 +498,44 @@ def test_a_prefill_step_with_known_layouts_reuses_the_checks(kind, monkeypatch):
     assert_equal(got, composition(cms, builder))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_prefill_steps_of_one_layout_write_their_own_sizes(kind, monkeypatch):
+    """Steps with prefills of one layout and split whose contexts move on
+    replay the first one's prepared launch with their own chunk sizes (N, M)
+    and indexer rows written in: one launch each, the single ops' rows, and
+    no device memory allocated by the builds."""
+    rng = np.random.default_rng(13)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC, combined_prefill=True,
+                                               like=to_kind(np.zeros(1, I32), kind))
+    cms = make_step(rng, 3, [40, 300], 2, False, kind, decode_len=2)
+    for cm in cms.values():
+        cm.max_seq_len = MAX_MODEL_LEN           # one width: the same host decisions
+    builder.build(0, cms)
+    if kind == "cupy":
+        import cupy
+        allocated = cupy.get_default_memory_pool().used_bytes
+    else:
+        import torch
+        allocated = torch.cuda.memory_allocated
+    launches = count_launches(monkeypatch)
+    c128a = cms["c128a"]
+    for _ in range(5):
+        fresh = make_step(rng, 3, [40, 300], 2, False, "numpy", decode_len=2)["c128a"]
+        for name in ("seq_lens", "positions"):
+            getattr(c128a, name)[...] = to_kind(getattr(fresh, name), kind)
+        c128a.seq_lens_cpu[...] = fresh.seq_lens_cpu
+        poison(builder)
+        del launches[:]
+        before = allocated()
+        got = builder.build(0, cms)
+        assert allocated() == before and len(launches) == 1
+        assert_equal(got, composition(cms, builder))
+    (layout,) = builder._layouts._calls.values()
+    assert len(layout.steps._calls) == 1
+
+
 def test_the_step_kernel_refuses_a_section_it_does_not_have():
     from dsv4_cupy.step_kernel import step_launch
     with pytest.raises(KeyError, match="swa_rows"):
