@@ -208,10 +208,12 @@ class DeepseekV4StepMetadataBuilder:
         taken (vLLM #52492); use ``build_for_cudagraph_capture``. On the GPU,
         a decode step whose arrays have the layouts of an earlier one reuses
         its checks and prepared launch, and returns the same
-        ``DeepseekV4StepMetadata`` object.
+        ``DeepseekV4StepMetadata`` object; a step with prefills reuses the
+        checks, and the launch of an earlier step that made the same host
+        decisions but its chunks' sizes and the indexer's rows (written in).
         """
         capturing = bool(capturing)
-        layout_key = None
+        layout_key = key = None
         if self._prepared is not None and isinstance(common_attn_metadata, dict):
             layout_key = self._layout_key(common_attn_metadata)
             key = (self._launch_key(common_attn_metadata["c128a"], layout_key, capturing)
@@ -224,7 +226,7 @@ class DeepseekV4StepMetadataBuilder:
                     for holder in (metadata, metadata.c128a):
                         holder.max_query_len, holder.max_seq_len = cm.max_query_len, cm.max_seq_len
                     return metadata
-        return self._build_checked(common_attn_metadata, capturing, layout_key)
+        return self._build_checked(common_attn_metadata, capturing, layout_key, key)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: dict) -> DeepseekV4StepMetadata:
         """``build`` for recording inside the caller's CUDA graph (torch's or
@@ -236,14 +238,14 @@ class DeepseekV4StepMetadataBuilder:
         ``check_replay`` says whether a step fits the capture."""
         cm = check_group_metadata(common_attn_metadata)["c128a"]
         self.c128a_group.check_capturable(cm)
-        key = self._step_key(common_attn_metadata, True)    # before anything is recorded
+        layout_key = self._layout_key(common_attn_metadata)   # before anything is recorded
+        key = None if layout_key is None else self._launch_key(cm, layout_key, True)
         if key is None:
             raise ValueError("common_attn_metadata: a captured build needs device arrays, every "
                              "group holding the C128A group's query_start_loc and seq_lens "
                              "objects, and max_query_len, max_seq_len ints >= 0 (check_replay "
                              "compares the arrays by their attributes)")
-        metadata = self._build_checked(common_attn_metadata, True,
-                                       self._layout_key(common_attn_metadata))
+        metadata = self._build_checked(common_attn_metadata, True, layout_key, key)
         self._captured = (key, cm.num_reqs, cm.num_actual_tokens)
         return metadata
 
@@ -351,12 +353,14 @@ class DeepseekV4StepMetadataBuilder:
             native_decode_shape=self._indexer_decode.native_shape(split, cm.max_query_len,
                                                                   host_qsl))
 
-    def _build_checked(self, common_attn_metadata, capturing: bool,
-                       layout_key=None) -> DeepseekV4StepMetadata:
-        """A build that is not a prepared call's: ``layout_key`` is the step's
-        ``_layout_key`` when the caller has it (GPU; None: none, or no layout
-        reuse)."""
-        cms = check_group_metadata(common_attn_metadata)
+    def _build_checked(self, common_attn_metadata, capturing: bool, layout_key=None,
+                       key=None) -> DeepseekV4StepMetadata:
+        """A build that is not a prepared call's: ``layout_key`` and ``key`` are
+        the step's ``_layout_key`` and ``_launch_key`` when the caller has them
+        (GPU; None: none, or no reuse). A layout key is made only of the
+        groups' metadata that ``check_group_metadata`` accepts."""
+        cms = (common_attn_metadata if layout_key is not None
+               else check_group_metadata(common_attn_metadata))
         layout = self._layout(cms, layout_key)
         plan = self._plan(cms, layout, capturing)
         metadata = self._metadata(plan, None if layout_key is None else layout.results)
@@ -364,7 +368,6 @@ class DeepseekV4StepMetadataBuilder:
             for launch in self._launches(plan, None):
                 launch.run_cpu()
             return metadata
-        key = self._launch_key(cms["c128a"], layout_key, capturing)
         if key is None and layout_key is not None:
             call = self._prepared_step(plan, layout).call
         else:
