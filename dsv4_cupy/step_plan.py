@@ -355,13 +355,15 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
     row_ends = [start - first for start in starts[1:-1]] + [split.num_prefill_tokens]
     for ratio, compressed_rows in ((C128A_RATIO, [length // C128A_RATIO for length in seq]),
                                    (0, [0] * len(seq))):
-        chunks = []
+        chunks, chunk_bounds = [], []
         for start, end, N, M in plan_chunks(compressed_rows, gathered, chunk_budget(
                 ratio, chunk_size, window_size, max_model_len, max_num_batched_tokens)):
             if M * (end - start) > INT32_MAX:
                 raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
                                  f"per request, {end - start} requests) exceeds int32")
-            chunks.append(PlanChunk(start, end, N, M, starts[start] - first, row_ends[end - 1]))
+            rows = (starts[start] - first, row_ends[end - 1])
+            chunks.append(PlanChunk(start, end, N, M, *rows))
+            chunk_bounds.append((start, end, *rows))
         placed.append(tuple(chunks))
-        bounds.append(tuple((c.start, c.end, c.first_row, c.end_row) for c in chunks))
+        bounds.append(tuple(chunk_bounds))
     return ChunkPlans(*placed, tuple(bounds)), compressed
