@@ -20,8 +20,9 @@ from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
-from .step_plan import (GROUPS, MAX_LAYOUT_SECTIONS, PreparedStep, SectionCache, StepLayout, StepPlan, check_group_data,
-                        check_group_metadata, check_groups, prefill_plans, shared_c128a_group)
+from .step_plan import (GROUPS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache, StepLayout,
+                        StepPlan, check_group_data, check_group_metadata, check_groups,
+                        prefill_plans, shared_c128a_group)
 from .swa import swa_launch
 
 class DeepseekV4StepMetadataBuilder:
@@ -316,8 +317,7 @@ class DeepseekV4StepMetadataBuilder:
                                              self.swa_lens_buffer, self.max_blocks)
             self._owned.check_inputs([*arrays.ops.values(), *tables.values(), swa_slots])
             layout = StepLayout(arrays, tables, swa_slots, SectionCache(),
-                                PreparedCalls(MAX_LAYOUT_SECTIONS),
-                                PreparedCalls(MAX_LAYOUT_SECTIONS))
+                                PreparedCalls(MAX_LAYOUT_STEPS), PreparedCalls(MAX_LAYOUT_STEPS))
             if layout_key is not None:
                 self._layouts.put(layout_key, layout)
         return layout

@@ -25,8 +25,10 @@ from .spec import C4A_RATIO, C128A_RATIO
 GROUPS = ("swa", "c4a", "indexer", "c128a")
 
 
-#: Described sections a layout keeps (then it starts over).
+#: Described sections a layout keeps (the least recently used go first).
 MAX_LAYOUT_SECTIONS = 64
+#: Prepared steps and result views a layout keeps, each by its host decisions.
+MAX_LAYOUT_STEPS = 16
 
 
 class SectionCache:
@@ -52,7 +54,7 @@ class SectionCache:
             if len(cached) >= MAX_LAYOUT_SECTIONS:
                 cached.pop(next(iter(cached)), None)     # another thread may have too
             described = describe()
-            entry = (_frozen(described), described.layout if fields else None)
+            entry = (_frozen(described), getattr(described, "layout", None))
         cached[key] = entry
         frozen, layout = entry
         if fields:
