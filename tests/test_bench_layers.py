@@ -115,12 +115,13 @@ def test_the_step_benchs_phases_time_the_builders_own_steps_over_advancing_conte
             positions=step["positions"], num_reqs=6, num_actual_tokens=354,
             max_query_len=step["max_q"], max_seq_len=step["max_seq"], seq_lens_cpu=seq)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 1024, combined_prefill=True)
-    advance = step_bench.advancing(step, 4)
+    advance = step_bench.advancing(step, 4, MAX_MODEL_LEN)
     plans = set()
     for _ in range(5):
         advance()
-        plans.add(tuple(builder.build(0, cms).c128a_prefill_chunks))
-        assert (seq[4:] >= np.diff(step["qsl"])[4:]).all()
+        got = builder.build(0, cms)
+        plans.add((tuple(got.c128a_prefill_chunks), int(got.indexer_cu_compressed[-1])))
+        assert (seq[4:] >= np.diff(step["qsl"])[4:]).all() and (seq <= MAX_MODEL_LEN).all()
     assert len(plans) == 5
     original = prepared.PreparedCall.run
     phases = step_bench.host_phases(builder, cms, advance, reps=5)

@@ -27,9 +27,8 @@ from ..spec import SWA_WINDOW_SIZE as WINDOW
 C128A_LAYERS, SWA_ONLY_LAYERS = 20, 2
 C128A_BLOCK = 2
 
-#: The longest context an advancing prefill reaches (``advancing``): the 64
-#: prefills of a step stay within the indexer's compressed rows.
-MAX_CONTEXT_FOR_ADVANCE = 1 << 16
+#: Builds of a step with prefills before its contexts repeat (``advancing``).
+ADVANCING_STEPS = 512
 
 #: (case, decode requests, tokens per decode, prefill query lengths)
 STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x1", 64, 1, []),
@@ -49,16 +48,19 @@ PHASES = (("checks", ("_layout_key", "_layout")), ("planning", ("_plan", "_launc
           ("launch", ("PreparedCall.run",)))
 
 
-def advancing(step: dict, nd_requests: int):
+def advancing(step: dict, nd_requests: int, max_model_len: int):
     """A function that moves the step's prefill contexts on by their query
     lengths, in place in the host copy the plans read (``step["seq"]``, which
     the metadata's ``seq_lens_cpu`` tensors share), as chunked prefill does
-    step after step: every build plans new chunks and indexer rows."""
+    step after step: every build plans new chunk sizes and indexer rows. A
+    context without room for ``ADVANCING_STEPS`` queries below
+    ``max_model_len`` moves back instead (to its query at the least)."""
     seq = step["seq"]
     query = np.diff(step["qsl"])[nd_requests:].astype(np.int64)
-    prefix = seq[nd_requests:].astype(np.int64) - query
-    room = np.maximum(MAX_CONTEXT_FOR_ADVANCE - query, 1)
-    variants = [(query + (prefix + k * query) % room).astype(seq.dtype) for k in range(512)]
+    first = seq[nd_requests:].astype(np.int64)
+    forward = first + ADVANCING_STEPS * query <= max_model_len
+    variants = [np.where(forward, first + k * query, np.maximum(first - k * query, query))
+                .astype(seq.dtype) for k in range(ADVANCING_STEPS)]
     state = {"k": 0}
 
     def advance():
@@ -242,7 +244,7 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
             launch.PreparedLaunch.run = run
         row = {"op": "step", "case": name, "tokens": step["positions"].shape[0],
                "launches": len(launches)}
-        advance = advancing(step, requests) if prefills else (lambda: None)
+        advance = advancing(step, requests, max_model_len) if prefills else (lambda: None)
 
         def advancing_build():
             advance()
