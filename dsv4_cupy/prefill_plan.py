@@ -117,6 +117,10 @@ def plan_chunks(compressed: list, gathered: list, budget: int) -> list[tuple[int
     """``get_prefill_chunk_plan``'s greedy chunks of each request's compressed
     and gathered lengths (Python ints: the step builder's path)."""
     plan, start, count = [], 0, len(compressed)
+    if count:
+        most_compressed = max(compressed)
+        if count * (most_compressed + max(gathered)) <= budget:   # the greedy takes them all
+            return [(0, count, most_compressed, most_compressed + max(gathered))]
     while start < count:
         end, most_compressed, most_gathered = start + 1, compressed[start], gathered[start]
         while end < count:
