@@ -607,7 +607,8 @@ def assert_same_metadata(got, want):
             assert a is e, field.name
 
 
-def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatch):
+@pytest.mark.parametrize("combined", [False, True])
+def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(combined, monkeypatch):
     """The GPU path of a step with prefills under a known layout: its
     sections kept frozen per set of host decisions (``SectionCache``: the
     indexer's compressed count set in its values, combine rows kept apart
@@ -631,8 +632,9 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatc
     rng = np.random.default_rng(31)
     requests, tokens = 700, 2600
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, tokens + 7,
-                                               num_speculative_tokens=SPEC, combined_prefill=True,
-                                               prefill_chunk_size=1, max_num_compressed=1 << 21)
+                                               num_speculative_tokens=SPEC,
+                                               combined_prefill=combined, prefill_chunk_size=1,
+                                               max_num_compressed=1 << 21)
     cms = make_step(rng, 0, [tokens - 3 * (requests - 1)] + [3] * (requests - 1), 7)
     layout = builder._layout(cms, None)
     c128a, most_launches = cms["c128a"], 0
@@ -652,7 +654,7 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatc
         c128a.seq_lens_cpu[...] = seq
         plan = builder._plan(cms, layout, False)
         kept = builder._prepared_step(plan, layout)
-        values = (plan.compressed, plan.chunks.c128a, plan.chunks.swa)
+        values = (plan.compressed, plan.chunks)
         patched += id(kept) in last and last[id(kept)][1] is kept and last[id(kept)][0] != values
         last[id(kept)] = (values, kept)
         prepared, fresh = kept.launches, builder._launches(plan, None)
@@ -671,7 +673,7 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(monkeypatc
             assert again.c128a.req_id_per_token.shape == (plan.num_tokens,)
             assert again.req_id_per_token is again.c128a.req_id_per_token
             assert_same_metadata(again, builder._metadata(plan))
-    assert most_launches > 1                    # a plan longer than a launch carries
+    assert most_launches > 1 if combined else most_launches == 1   # past MAX_PLAN_CHUNKS
     assert patched > MAX_LAYOUT_SECTIONS // 2   # most steps wrote new values into kept launches
     assert len(layout.sections._frozen) == MAX_LAYOUT_SECTIONS
 
