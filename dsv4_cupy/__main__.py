@@ -67,12 +67,11 @@ def _compile(args) -> int:
 
 
 def _warmup(args) -> int:
-    from .warmup import warmup
+    from .warmup import summary, warmup
     start = time.perf_counter()
     done = warmup(gpu=True if args.gpu else None, cpu=True if args.cpu else None,
                   progress=False if args.no_progress else None)
-    print(f"warmed {len(done['gpu'])} GPU kernels and {len(done['cpu'])} CPU kernels "
-          f"in {time.perf_counter() - start:.2f} s")
+    print(f"warmed {summary(done)} in {time.perf_counter() - start:.2f} s")
     return 0
 
 

@@ -21,6 +21,8 @@ INT32 = np.dtype(np.int32)
 #: The largest int32 value (kernels' int32 indices and counts stay within it).
 INT32_MAX = int(np.iinfo(INT32).max)
 INT64 = np.dtype(np.int64)
+#: The largest int64 value (the host planners' integers).
+INT64_MAX = int(np.iinfo(INT64).max)
 BOOL = np.dtype(np.bool_)
 #: Bytes (fp8 values, cache pages) and 16-bit words (bf16 values, as their bits).
 UINT8, UINT16 = np.dtype(np.uint8), np.dtype(np.uint16)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from . import host
-from .kinds import HOST_KINDS, describe, kind_of
+from .kinds import HOST_KINDS, INT32, INT32_MAX, INT64, INT64_MAX, describe, kind_of
 from .scalars import check_int
-from .spec import cdiv
+from .spec import C4A_RATIO, C128A_RATIO, cdiv
 
 #: vLLM 0.34's indexer prefill limits: the logits budget
 #: (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, 512 MiB), the fused MQA top-k's keys
@@ -18,10 +19,11 @@ INDEXER_WORKSPACE_ROWS_PER_TOKEN = 576 * 2 // 132
 INDEXER_WORKSPACE_FACTORS, INDEXER_WORKSPACE_FACTOR_CONTEXT = (5, 2), 262144
 
 
-def _host_lengths(name: str, values) -> list[int]:
-    """A list or host int array of lengths >= 0, as Python ints."""
+def _host_lengths(name: str, values, maximum: int | None = None) -> list[int]:
+    """A list or host int array of lengths >= 0 (and at most ``maximum``), as Python ints."""
     if isinstance(values, (list, tuple)):
-        return [check_int(f"{name}[{i}]", value, minimum=0) for i, value in enumerate(values)]
+        return [check_int(f"{name}[{i}]", value, minimum=0, maximum=maximum)
+                for i, value in enumerate(values)]
     kind = kind_of(values)
     if kind not in HOST_KINDS:
         raise TypeError(f"{name}: expected a list or a host array (numpy or torch CPU; the "
@@ -35,6 +37,10 @@ def _host_lengths(name: str, values) -> list[int]:
     if (lengths < 0).any():
         i = int(np.flatnonzero(lengths < 0)[0])
         raise ValueError(f"{name}: expected lengths >= 0, got {int(lengths[i])} at index {i}")
+    if maximum is not None and lengths.size and lengths.max() > maximum:
+        i = int(np.flatnonzero(lengths > maximum)[0])
+        raise ValueError(f"{name}: expected lengths <= {maximum}, got {int(lengths[i])} at "
+                         f"index {i}")
     return lengths.astype(np.int64).tolist()
 
 
@@ -53,7 +59,8 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
     ----------
     seq_lens, query_lens : lists or host int arrays ``[P]``
         The prefill requests' sequence and query lengths (``prefill_seq_lens_cpu``,
-        ``prefill_query_lens_cpu``). Device arrays are refused (a sync).
+        ``prefill_query_lens_cpu``), each in ``[0, 2**31 - 1]`` (vLLM's int32).
+        Device arrays are refused (a sync).
     compress_ratio : int
         4, 128, or 0/1 for SWA-only layers (no compressed rows).
     chunk_size : int
@@ -77,8 +84,8 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
     max_model_len = check_int("max_model_len", max_model_len, minimum=1)
     max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens,
                                        minimum=0)
-    seq = _host_lengths("seq_lens", seq_lens)
-    queries = _host_lengths("query_lens", query_lens)
+    seq = _host_lengths("seq_lens", seq_lens, INT32_MAX)
+    queries = _host_lengths("query_lens", query_lens, INT32_MAX)
     if len(seq) != len(queries):
         raise ValueError(f"query_lens: expected one per request of seq_lens ({len(seq)}), "
                          f"got {len(queries)}")
@@ -90,49 +97,118 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
             raise ValueError(f"compress_ratio: expected at least 1 with has_compressed=True, "
                              f"got {compress_ratio}")
     compresses = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
-    return plan_chunks([s // compress_ratio for s in seq] if compresses else [0] * len(seq),
-                       gathered_lengths(seq, queries, window_size),
-                       chunk_budget(compress_ratio if compresses else 0, chunk_size,
-                                    window_size, max_model_len, max_num_batched_tokens))
-
-
-def gathered_lengths(seq_lens: list, query_lens: list, window_size: int) -> list[int]:
-    """Each request's gather length ``q + min(max(L - q, 0), W - 1)`` (Python ints)."""
-    last_window = window_size - 1
-    # Conditionals, not max/min calls: the step builder's path.
-    return [q + (0 if s <= q else s - q if s - q < last_window else last_window)
-            for s, q in zip(seq_lens, query_lens)]
+    ratio = compress_ratio if compresses else 0
+    plan = _chunk_plan(np.array(seq, np.int64), np.array(queries, np.int64), ratio, window_size,
+                       chunk_budget(ratio, chunk_size, window_size, max_model_len,
+                                    max_num_batched_tokens))
+    return list(map(tuple, plan.tolist()))
 
 
 def chunk_budget(compress_ratio: int, chunk_size: int, window_size: int, max_model_len: int,
                  max_num_batched_tokens: int) -> int:
     """A chunk's workspace rows: ``chunk_size * (cdiv(max_model_len, ratio) +
     window_size + max_num_batched_tokens)``; ``compress_ratio`` 0 for layers
-    without compressed rows."""
-    return chunk_size * ((cdiv(max_model_len, compress_ratio) if compress_ratio else 0)
-                         + window_size + max_num_batched_tokens)
+    without compressed rows. At most ``INT64_MAX`` (the planners' int64: a
+    larger budget plans the same chunks)."""
+    return min(chunk_size * ((cdiv(max_model_len, compress_ratio) if compress_ratio else 0)
+                             + window_size + max_num_batched_tokens), INT64_MAX)
 
 
-def plan_chunks(compressed: list, gathered: list, budget: int) -> list[tuple[int, int, int, int]]:
-    """``get_prefill_chunk_plan``'s greedy chunks of each request's compressed
-    and gathered lengths (Python ints: the step builder's path)."""
-    plan, start, count = [], 0, len(compressed)
-    if count:
-        most_compressed = max(compressed)
-        if count * (most_compressed + max(gathered)) <= budget:   # the greedy takes them all
-            return [(0, count, most_compressed, most_compressed + max(gathered))]
+@njit(cache=True)
+def _gathered_length(seq_len, query_len, window_size):
+    """A request's gather length ``q + min(max(L - q, 0), W - 1)``."""
+    back = seq_len - query_len
+    return query_len + (0 if back <= 0 else min(back, window_size - 1))
+
+
+@njit(cache=True)
+def _greedy_chunks(compressed, gathered, budget, chunks):
+    """``get_prefill_chunk_plan``'s greedy over the requests' compressed and
+    gathered lengths (int64 ``[P]``): ``chunks[k, :4] = (start, end, N, M)``
+    for each chunk ``k`` below the count returned."""
+    count, start, k = compressed.shape[0], 0, 0
     while start < count:
         end, most_compressed, most_gathered = start + 1, compressed[start], gathered[start]
         while end < count:
-            c, g = compressed[end], gathered[end]
-            wider_compressed = c if c > most_compressed else most_compressed
-            wider_gathered = g if g > most_gathered else most_gathered
+            wider_compressed = max(most_compressed, compressed[end])
+            wider_gathered = max(most_gathered, gathered[end])
             if (end + 1 - start) * (wider_compressed + wider_gathered) > budget:
                 break
             end, most_compressed, most_gathered = end + 1, wider_compressed, wider_gathered
-        plan.append((start, end, most_compressed, most_compressed + most_gathered))
+        chunks[k, 0], chunks[k, 1] = start, end
+        chunks[k, 2], chunks[k, 3] = most_compressed, most_compressed + most_gathered
+        k += 1
         start = end
-    return plan
+    return k
+
+
+@njit(cache=True)
+def _chunk_plan(seq_lens, query_lens, compress_ratio, window_size, budget):
+    """``get_prefill_chunk_plan`` on int64 arrays: ``[chunks, 4]`` int64."""
+    count = seq_lens.shape[0]
+    compressed, gathered = np.zeros(count, np.int64), np.empty(count, np.int64)
+    for i in range(count):
+        if compress_ratio:
+            compressed[i] = seq_lens[i] // compress_ratio
+        gathered[i] = _gathered_length(seq_lens[i], query_lens[i], window_size)
+    chunks = np.empty((count, 4), np.int64)
+    return chunks[:_greedy_chunks(compressed, gathered, budget, chunks)]
+
+
+#: ``step_chunk_plans``' verdicts on the step's host data.
+PLANNED, BAD_SEQ_LENS, BAD_QUERY_LENS, TOO_MANY_COMPRESSED, WORKSPACE_PAST_INT32 = range(5)
+
+
+@njit(cache=True)
+def step_chunk_plans(seq_lens, query_start_loc, first_request, count, num_prefill_tokens,
+                     window_size, max_num_compressed, c128a_budget, swa_budget, with_plans):
+    """A step's host decisions over its prefill requests ``[first_request,
+    first_request + count)``: the indexer's compressed rows and, ``with_plans``,
+    both chunk plans (the C128A layers', then the SWA-only layers') placed in
+    the step's prefill rows, in one call (the step builder's path).
+
+    ``seq_lens`` (``seq_lens_cpu``) and ``query_start_loc``
+    (``query_start_loc_cpu``) are checked host views, int32 or int64.
+    Returns ``(verdict, value, chunks, c128a_chunks)``: ``value`` is the
+    compressed row count, or for ``WORKSPACE_PAST_INT32`` the chunk that
+    breaks it; ``chunks[k] = (start, end, N, M, first_row, end_row)``
+    (``combine.PlanChunk``'s fields), the C128A plan's ``c128a_chunks`` first.
+    Any other verdict than ``PLANNED`` leaves the rest unset.
+    """
+    compressed = 0
+    c128a_rows, gathered = np.empty(count, np.int64), np.empty(count, np.int64)
+    chunks = np.empty((2 * count, 6), np.int64)
+    first_token = query_start_loc[first_request]
+    for i in range(count):
+        seq_len = np.int64(seq_lens[first_request + i])
+        query_len = np.int64(query_start_loc[first_request + i + 1]) - \
+            query_start_loc[first_request + i]
+        if seq_len < 0 or seq_len > INT32_MAX:
+            return BAD_SEQ_LENS, 0, chunks, 0
+        if query_len < 0:
+            return BAD_QUERY_LENS, 0, chunks, 0
+        compressed += seq_len // C4A_RATIO
+        c128a_rows[i] = seq_len // C128A_RATIO
+        gathered[i] = _gathered_length(seq_len, query_len, window_size)
+    if query_start_loc[first_request + count] - first_token > num_prefill_tokens:
+        return BAD_QUERY_LENS, 0, chunks, 0
+    if compressed > max_num_compressed:
+        return TOO_MANY_COMPRESSED, compressed, chunks, 0
+    if not with_plans:
+        return PLANNED, compressed, chunks[:0], 0
+    c128a_chunks = _greedy_chunks(c128a_rows, gathered, c128a_budget, chunks)
+    c128a_rows[:] = 0                          # the SWA-only layers have no compressed rows
+    total = c128a_chunks + _greedy_chunks(c128a_rows, gathered, swa_budget,
+                                          chunks[c128a_chunks:])
+    for k in range(total):
+        start, end = chunks[k, 0], chunks[k, 1]
+        if chunks[k, 3] * (end - start) > INT32_MAX:
+            return WORKSPACE_PAST_INT32, k, chunks, c128a_chunks
+        # Rows [t0, t1) of the prefill tokens; the last chunk takes the padding rows too.
+        chunks[k, 4] = query_start_loc[first_request + start] - first_token
+        chunks[k, 5] = (num_prefill_tokens if end == count else
+                        query_start_loc[first_request + end] - first_token)
+    return PLANNED, compressed, chunks[:total], c128a_chunks
 
 
 def indexer_prefill_workspace_rows(max_model_len: int, compress_ratio: int,
@@ -242,3 +318,17 @@ def indexer_prefill_chunk_tokens(query_start_loc_cpu, start_idx: int, end_idx: i
                                else query_slice.stop, minimum=0), tokens)
     return first + slice_start, first + max(slice_stop, slice_start), \
         bool(skip_kv_gather) or slice_start > 0
+
+
+def warm_planners() -> list[str]:
+    """Compile the planners' numba functions for every signature their
+    callers hand them (``warmup()``, on either path); returns their names."""
+    get_prefill_chunk_plan([1], [1], C4A_RATIO, 1, 1, 1, 1)
+    done = ["get_prefill_chunk_plan"]
+    for seq_dtype in (INT32, INT64):
+        for qsl_dtype in (INT32, INT64):
+            step_chunk_plans(np.ones(1, seq_dtype), np.arange(2, dtype=qsl_dtype), 0, 1, 1, 1,
+                             1, 1, 1, True)
+            done.append(f"step_chunk_plans[{seq_dtype}, {qsl_dtype}]")
+    return done
+

@@ -22,7 +22,7 @@ from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
 from .step_plan import (GROUPS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache, StepLayout,
                         StepPlan, check_group_data, check_group_metadata, check_groups,
-                        prefill_plans, shared_c128a_group)
+                        chunk_budgets, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
 
 class DeepseekV4StepMetadataBuilder:
@@ -127,6 +127,9 @@ class DeepseekV4StepMetadataBuilder:
             "max_num_compressed", 40 * self.max_model_len // C4A_RATIO
             if max_num_compressed is None else max_num_compressed, minimum=1)
         self.max_blocks = cdiv(self.max_model_len, group.block_size)
+        self._chunk_budgets = (chunk_budgets(self.prefill_chunk_size, self.window_size,
+                                             self.max_model_len, self.max_num_batched_tokens)
+                               if self.combined_prefill else None)
         n, W = self.max_num_batched_tokens, self.window_size
 
         buffer = group.new_buffer
@@ -338,9 +341,7 @@ class DeepseekV4StepMetadataBuilder:
                              f"{layout.tables['indexer'].shape[0]} rows")
         chunks, compressed = prefill_plans(
             cm, host_qsl, split, max_num_compressed=self.max_num_compressed,
-            combined_prefill=self.combined_prefill, chunk_size=self.prefill_chunk_size,
-            window_size=self.window_size, max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens)
+            window_size=self.window_size, budgets=self._chunk_budgets)
         nd, np_tokens = split.num_decode_tokens, split.num_prefill_tokens
         return StepPlan(
             cms=cms, arrays=layout.arrays, tables=layout.tables,

@@ -14,10 +14,12 @@ from . import checks, combine, host, step_kernel, validation
 from .combine import PlanChunk
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .group import KVCacheGroup, Split, StepArrays
-from .kinds import HOST_KINDS, INT32, INT32_MAX, INT64, Operand, describe, probe, probe_all
+from .kinds import (HOST_KINDS, INT32, INT32_MAX, INT64, NUMPY, Operand, describe, probe,
+                    probe_all)
 from .launch import FrozenLaunch, Launch
 from .metadata import CommonAttentionMetadata
-from .prefill_plan import chunk_budget, gathered_lengths, plan_chunks
+from .prefill_plan import (BAD_QUERY_LENS, BAD_SEQ_LENS, PLANNED, TOO_MANY_COMPRESSED,
+                           chunk_budget, step_chunk_plans)
 from .prepared import PreparedCall
 from .spec import C4A_RATIO, C128A_RATIO
 
@@ -142,7 +144,8 @@ class ChunkPlans:
 
     c128a: tuple         # (PlanChunk, ...) of the C128A layers
     swa: tuple           # (PlanChunk, ...) of the SWA-only layers
-    bounds: tuple        # both plans' (start, end, first_row, end_row): the chunks but N, M
+    bounds: tuple        # (C128A chunks, both plans' starts and ends, their rows' as bytes):
+                         # the chunks but N, M
 
 
 @dataclass
@@ -314,10 +317,18 @@ def _naming(owner: str, check, *args) -> None:
         raise ValueError(f"{owner}.{message}") from None
 
 
+def chunk_budgets(chunk_size: int, window_size: int, max_model_len: int,
+                  max_num_batched_tokens: int) -> tuple[int, int]:
+    """The workspace rows of a chunk of the C128A layers' and of the SWA-only layers' plans."""
+    return tuple(chunk_budget(ratio, chunk_size, window_size, max_model_len,
+                              max_num_batched_tokens) for ratio in (C128A_RATIO, 0))
+
+
 def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
-                  combined_prefill: bool, chunk_size: int, window_size: int, max_model_len: int,
-                  max_num_batched_tokens: int) -> tuple[ChunkPlans | None, int]:
-    """``(chunk plans, compressed rows of the indexer)`` from host data."""
+                  window_size: int, budgets: tuple[int, int] | None
+                  ) -> tuple[ChunkPlans | None, int]:
+    """``(chunk plans, compressed rows of the indexer)`` from host data; no
+    plans without ``budgets`` (``chunk_budgets``: no combined prefill rows)."""
     num_decodes, num_prefills = split.num_decodes, split.num_prefills
     if not num_prefills:
         return None, 0
@@ -333,39 +344,37 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
         raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
                         f"{describe(host_seq_lens)}")
     checks.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
-    # Python ints: a handful of requests costs less than numpy calls.
-    end = num_decodes + num_prefills
-    seq = host.host_view(seq_cpu.array, seq_cpu.kind)[num_decodes:end].tolist()
-    starts = host_qsl[num_decodes:end + 1].tolist()
-    queries = [b - a for a, b in zip(starts, starts[1:])]
-    if min(seq) < 0:
-        raise ValueError(f"seq_lens_cpu: expected the prefill requests' lengths >= 0, got {seq}")
-    if min(queries) < 0 or sum(queries) > split.num_prefill_tokens:
+    seq_lens = host.kernel_view(seq_cpu.array, seq_cpu.kind)
+    verdict, value, chunks, c128a_chunks = step_chunk_plans(
+        seq_lens, host.kernel_view(host_qsl, NUMPY), num_decodes, num_prefills,
+        split.num_prefill_tokens, window_size, max_num_compressed,
+        *(budgets or (0, 0)), budgets is not None)
+    if verdict != PLANNED:
+        _refuse(verdict, value, chunks, seq_lens[num_decodes:num_decodes + num_prefills],
+                host_qsl[num_decodes:num_decodes + num_prefills + 1], split,
+                max_num_compressed)
+    if budgets is None:
+        return None, value
+    placed = list(map(PlanChunk._make, chunks.tolist()))
+    bounds = (c128a_chunks, chunks[:, :2].tobytes(), chunks[:, 4:].tobytes())
+    return ChunkPlans(tuple(placed[:c128a_chunks]), tuple(placed[c128a_chunks:]), bounds), value
+
+
+def _refuse(verdict: int, value: int, chunks, seq_lens, starts, split: Split,
+            max_num_compressed: int) -> None:
+    """Raise what ``step_chunk_plans``' ``verdict`` found wrong with the step's host data."""
+    if verdict == BAD_SEQ_LENS:
+        raise ValueError(f"seq_lens_cpu: expected the prefill requests' lengths in "
+                         f"[0, {INT32_MAX}], got {seq_lens.tolist()}")
+    if verdict == BAD_QUERY_LENS:
         raise ValueError(f"query_start_loc_cpu: expected the prefill requests' query "
                          f"lengths >= 0 and at most num_prefill_tokens="
-                         f"{split.num_prefill_tokens} in all, got {queries}")
-    compressed = sum([length // C4A_RATIO for length in seq])
-    if compressed > max_num_compressed:
+                         f"{split.num_prefill_tokens} in all, got "
+                         f"{(starts[1:].astype(np.int64) - starts[:-1]).tolist()}")
+    if verdict == TOO_MANY_COMPRESSED:
         raise ValueError(f"seq_lens_cpu: expected at most max_num_compressed="
                          f"{max_num_compressed} compressed indexer rows over the "
-                         f"prefills, got {compressed}")
-    if not combined_prefill:
-        return None, compressed
-    gathered = gathered_lengths(seq, queries, window_size)
-    # Chunk rows [t0, t1) of the prefill tokens; the last takes the padding rows too.
-    first, placed, bounds = starts[0], [], []
-    row_ends = [start - first for start in starts[1:-1]] + [split.num_prefill_tokens]
-    for ratio, compressed_rows in ((C128A_RATIO, [length // C128A_RATIO for length in seq]),
-                                   (0, [0] * len(seq))):
-        chunks, chunk_bounds = [], []
-        for start, end, N, M in plan_chunks(compressed_rows, gathered, chunk_budget(
-                ratio, chunk_size, window_size, max_model_len, max_num_batched_tokens)):
-            if M * (end - start) > INT32_MAX:
-                raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={M} rows "
-                                 f"per request, {end - start} requests) exceeds int32")
-            rows = (starts[start] - first, row_ends[end - 1])
-            chunks.append(PlanChunk(start, end, N, M, *rows))
-            chunk_bounds.append((start, end, *rows))
-        placed.append(tuple(chunks))
-        bounds.append(tuple(chunk_bounds))
-    return ChunkPlans(*placed, tuple(bounds)), compressed
+                         f"prefills, got {value}")
+    start, end, _, rows_per_request = chunks[value, :4].tolist()
+    raise ValueError(f"seq_lens_cpu: a prefill chunk's workspace (M={rows_per_request} rows "
+                     f"per request, {end - start} requests) exceeds int32")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from . import device, families, loader
+from . import device, families, loader, prefill_plan
 
 
 def warmup(*, gpu: bool | None = None, cpu: bool | None = None,
@@ -13,17 +13,20 @@ def warmup(*, gpu: bool | None = None, cpu: bool | None = None,
     ``gpu`` (default: when a GPU is usable) compiles and loads every CUDA entry
     point for the current device; ``cpu`` (default: when no GPU is usable)
     compiles the numba CPU kernels for every signature the API accepts. The
-    first warm-up of a machine compiles (about 20 s); later ones read CuPy's
-    and numba's disk caches. ``progress`` (default: when stderr is a
-    terminal) counts the kernels on stderr as they are prepared.
-    Returns what was prepared: ``{"gpu": [...], "cpu": [...]}``.
+    host planners' numba functions (a step with prefills, on either path)
+    are always compiled. The first warm-up of a machine compiles (about
+    20 s); later ones read CuPy's and numba's disk caches. ``progress``
+    (default: when stderr is a terminal) counts the kernels on stderr as
+    they are prepared. Returns what was prepared: ``{"gpu": [...], "cpu":
+    [...], "host": [...]}``.
     """
     if gpu is None:
         gpu = device.has_gpu()
     if cpu is None:
         cpu = not gpu
     show = _Progress(sys.stderr.isatty() if progress is None else bool(progress))
-    done: dict = {"gpu": [], "cpu": []}
+    show("host planners")
+    done: dict = {"gpu": [], "cpu": [], "host": prefill_plan.warm_planners()}
     if gpu:
         device.require_gpu()
         entries = [(family, entry) for family in families.ALL for entry in family.entry_points()]
@@ -34,8 +37,14 @@ def warmup(*, gpu: bool | None = None, cpu: bool | None = None,
     if cpu:
         from .cpu_warm import warm_cpu
         done["cpu"] = warm_cpu(lambda count, name: show(f"CPU kernels {count} ({name})"))
-    show.close(f"warmed {len(done['gpu'])} GPU and {len(done['cpu'])} CPU kernels")
+    show.close(f"warmed {summary(done)}")
     return done
+
+
+def summary(done: dict) -> str:
+    """What ``warmup()`` prepared, counted."""
+    return (f"{len(done['gpu'])} GPU and {len(done['cpu'])} CPU kernels, "
+            f"{len(done['host'])} host planners")
 
 
 class _Progress:

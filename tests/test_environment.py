@@ -89,6 +89,6 @@ def test_warmup_counts_on_stderr_when_asked_and_is_silent_when_not(capsys):
     d4.warmup(gpu=False, cpu=True, progress=True)
     err = capsys.readouterr().err
     assert "\rwarmup: CPU kernels 1 (" in err
-    assert re.search(r"\rwarmup: warmed 0 GPU and \d+ CPU kernels *\n$", err)
+    assert re.search(r"\rwarmup: warmed 0 GPU and \d+ CPU kernels, \d+ host planners *\n$", err)
     d4.warmup(gpu=False, cpu=True, progress=False)
     assert capsys.readouterr().err == ""

@@ -307,6 +307,55 @@ def test_bad_steps_are_refused_naming_the_group():
         np.testing.assert_array_equal(old, new)
 
 
+@pytest.mark.parametrize("combined", [False, True])
+def test_a_prefills_bad_host_lengths_are_refused_before_any_write(combined):
+    """The host decisions over the prefills (one numba call) refuse a negative
+    or past-int32 ``seq_lens_cpu``, more compressed rows than the indexer's
+    buffer holds, and query lengths past the prefill tokens, naming the array."""
+    rng = np.random.default_rng(9)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS, combined_prefill=combined,
+                                               max_num_compressed=4000)
+    for value, match in ((-1, r"seq_lens_cpu: expected the prefill requests' lengths in "
+                              r"\[0, 2147483647\], got \[500, -1\]"),
+                         (1 << 31, r"lengths in \[0, 2147483647\], got \[500, 2147483648\]"),
+                         (16005, r"max_num_compressed=4000 compressed indexer rows over the "
+                                 r"prefills, got 4126")):
+        cms = make_step(rng, 2, [30, 40], decode_len=1)
+        cms["c128a"].seq_lens_cpu = cms["c128a"].seq_lens_cpu.astype(I64)
+        cms["c128a"].seq_lens_cpu[2:] = [500, value]
+        _refused(builder, cms, ValueError, match)
+    cms = make_step(rng, 2, [30, 40], decode_len=1)
+    cms["c128a"].seq_lens_cpu[2:] = 500
+    cms["c128a"].query_start_loc_cpu[3] = 80          # the last prefill's query: 72 - 80
+    _refused(builder, cms, ValueError, r"query_start_loc_cpu: expected the prefill requests' "
+                                       r"query lengths >= 0 .* got \[78, -8\]")
+
+
+def test_a_chunk_whose_workspace_passes_int32_is_refused():
+    """Unreachable with an indexer buffer that fits in memory (its compressed
+    rows come first), so checked on the planner: 129 requests of 2**31 - 1
+    tokens in one chunk need 129 * M > 2**31 rows."""
+    from dsv4_cupy.group import Split
+    from dsv4_cupy.metadata import CommonAttentionMetadata
+    from dsv4_cupy.step_plan import prefill_plans
+    qsl = np.arange(0, 2 * 131, 2, dtype=I32)
+    seq = np.full(130, (1 << 31) - 1, I32)
+    cm = CommonAttentionMetadata(query_start_loc=None, query_start_loc_cpu=qsl, seq_lens=None,
+                                 block_table_tensor=None, slot_mapping=None, num_reqs=130,
+                                 num_actual_tokens=260, max_query_len=2, max_seq_len=int(seq[0]),
+                                 seq_lens_cpu=seq)
+    split = Split(1, 129, 2, 258)
+    rows_per_request = ((1 << 31) - 1) // 128 + 2 + W - 1
+    plans, compressed = prefill_plans(cm, qsl, split, max_num_compressed=1 << 40, window_size=W,
+                                      budgets=(rows_per_request, 1 << 40))
+    assert compressed == 129 * (((1 << 31) - 1) // 4)
+    assert len(plans.c128a) == 129 and len(plans.swa) == 1
+    with pytest.raises(ValueError, match=rf"a prefill chunk's workspace \(M={rows_per_request} "
+                                         r"rows per request, 129 requests\) exceeds int32"):
+        prefill_plans(cm, qsl, split, max_num_compressed=1 << 40, window_size=W,
+                      budgets=(1 << 40, 1 << 40))
+
+
 def _refused(builder, cms, error, match):
     """The build raises ``error`` matching ``match`` and leaves every buffer as it was."""
     before = [to_numpy(b).copy() for b in builder.buffers().values()]
