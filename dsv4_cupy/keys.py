@@ -5,9 +5,11 @@ a watched view says whether the caller changed it in place since it was
 handed out."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from .kinds import CUPY_FAMILY, FAMILY_OF_TYPE, NUMPY, TORCH_FAMILY, family_of
+from .kinds import CUPY_FAMILY, NUMPY, TORCH_FAMILY, family_of, loaded_torch
 
 
 def _numpy_state(x) -> tuple:
@@ -144,23 +146,35 @@ def launch_key(*args) -> tuple | None:
     """
     key = []
     append = key.append
+    tensor, ndarray = _ARRAY_TYPES
     for x in args:
         kind = type(x)
-        family = FAMILY_OF_TYPE.get(kind)          # arrays first: most arguments are arrays
-        if family is None:
+        if kind is not tensor and kind is not ndarray:      # most arguments are arrays
             if kind in _SCALAR_TYPES:
                 append(x)
                 continue
             if kind is bool:
                 append((bool, x))
                 continue
-            family = family_of(x)
-        if family is TORCH_FAMILY:
+            family = family_of(x)           # a subclass, or the first array of its kind
+            if family is not TORCH_FAMILY and family is not CUPY_FAMILY:
+                return None
+            tensor, ndarray = _learn_array_types()
+            kind = tensor if family is TORCH_FAMILY else ndarray
+        if kind is tensor:
             append((x.data_ptr(), x.shape, x.stride(), x.dtype))
-        elif family is CUPY_FAMILY:
-            append((x.data.ptr, x.shape, x.strides, x.dtype))
         else:
-            return None
+            append((x.data.ptr, x.shape, x.strides, x.dtype))
     return tuple(key)
 
 
+#: ``torch.Tensor`` and ``cupy.ndarray``, once an array of either was keyed
+#: (this module imports neither).
+_ARRAY_TYPES = (None, None)
+
+
+def _learn_array_types() -> tuple:
+    global _ARRAY_TYPES
+    torch, cupy = loaded_torch(), sys.modules.get("cupy")
+    _ARRAY_TYPES = (torch and torch.Tensor, cupy and cupy.ndarray)
+    return _ARRAY_TYPES

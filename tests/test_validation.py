@@ -103,6 +103,32 @@ def test_views_of_one_torch_buffer_are_watched_by_one_read():
     assert read(watched) != state
 
 
+def test_a_launch_key_fixes_what_the_checks_read():
+    """``keys.launch_key`` (torch tensors here; the GPU's are read the same way):
+    equal for the same arrays and scalars, different for another address,
+    shape, stride, dtype or scalar, a bool apart from its int, a torch
+    subclass keyed as a tensor; None for host numpy arrays and floats."""
+    torch = pytest.importorskip("torch")
+    from dsv4_cupy.keys import launch_key
+    buffer = torch.zeros(8, 6, dtype=torch.int32)
+    view, rows = buffer[:4], buffer[:4, :3]
+
+    def key(*first):
+        return launch_key(*first, 3, None, "flat", (1, 2))
+    same = key(view, buffer[0])
+    assert same is not None and key(buffer[:4], buffer[0]) == same
+    others = [key(buffer[1:5], buffer[0]), key(buffer[:3], buffer[0]), key(rows, buffer[0]),
+              key(view.view(torch.float32), buffer[0]), key(view, buffer[:, 0]),
+              launch_key(view, buffer[0], 4, None, "flat", (1, 2)),
+              launch_key(view, buffer[0], 3, None, "native", (1, 2))]
+    assert all(other is not None and other != same for other in others)
+    assert key(buffer[:4, ::2], buffer[0]) != key(rows, buffer[0])     # strides alone
+    assert launch_key(view, 1) != launch_key(view, True)
+    assert launch_key(torch.nn.Parameter(view.float(), requires_grad=False)) is not None
+    assert launch_key(view, np.zeros(2, I32)) is None
+    assert launch_key(view, 1.0) is None
+
+
 def test_token_map_and_slot_mapping_reject():
     out = np.full(4, POISON, I32)
     with pytest.raises(TypeError, match="query_start_loc: expected dtype int32, got int64"):
