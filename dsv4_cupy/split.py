@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from . import checks, host
-from .kinds import HOST_KINDS, INT32, INT64, describe, kind_of, probe
+from .kinds import HOST_KINDS, INT32, INT64, NUMPY, describe, kind_of, probe
 from .scalars import check_int
 
 
@@ -101,33 +102,59 @@ def split_host(qsl: np.ndarray, threshold: int, require_uniform: bool,
     if num_reqs == 0:            # vLLM 0.34: every (padding) token is a decode token
         return 0, 0, total, 0
     short_extends_are_decodes = is_prefilling is None
-    query_lens = None
-    if max_query_len is None:
-        query_lens = qsl[1:] - qsl[:-1]         # np.diff's generality costs a microsecond
-        max_query_len = int(query_lens.max())
-    if (max_query_len <= threshold and (not require_uniform or threshold <= 1)
-            and short_extends_are_decodes):
+    boundary = _first_prefill(host.kernel_view(qsl, NUMPY), threshold, require_uniform,
+                              -1 if max_query_len is None else max_query_len,
+                              _NOT_PREFILLING if short_extends_are_decodes
+                              else host.kernel_view(is_prefilling, NUMPY),
+                              short_extends_are_decodes)
+    if boundary == num_reqs:
         return num_reqs, 0, _checked_tokens(total, total), 0
-    first = int(qsl[1] - qsl[0])
-    if first > threshold:
+    if boundary == _FIRST_IS_PREFILL:
         return 0, num_reqs, 0, total
-    if query_lens is None:
-        query_lens = qsl[1:] - qsl[:-1]
-    if require_uniform:
-        uniform = np.all((query_lens == first) | (query_lens == 0))
-        if uniform and short_extends_are_decodes:
-            return num_reqs, 0, _checked_tokens(total, total), 0
-        # A row of no tokens (CUDA-graph padding) is never a prefill by itself.
-        is_prefill = (query_lens != first) & (query_lens != 0)
-    else:
-        is_prefill = query_lens > threshold
-    if not short_extends_are_decodes:
-        is_prefill = is_prefill | is_prefilling
-    boundary = int(is_prefill.argmax())
-    if not is_prefill[boundary]:
-        return num_reqs, 0, _checked_tokens(total, total), 0
     decode_tokens = _checked_tokens(int(qsl[boundary]), total)
     return boundary, num_reqs - boundary, decode_tokens, total - decode_tokens
+
+
+#: ``_first_prefill``'s answer when the first request's query alone makes it a prefill.
+_FIRST_IS_PREFILL = -1
+_NOT_PREFILLING = np.zeros(0, np.bool_)
+
+
+@njit(cache=True)
+def _first_prefill(qsl, threshold, require_uniform, max_query_len, is_prefilling,
+                   short_extends_are_decodes):
+    """The first prefill request of a decodes-first batch (``R`` when there is
+    none; ``_FIRST_IS_PREFILL`` when the first request's query is past the
+    threshold): with ``require_uniform`` a request whose query is neither the
+    first's nor 0 (CUDA-graph padding), else one past ``threshold``; one
+    still ``is_prefilling`` unless ``short_extends_are_decodes``.
+    ``max_query_len`` -1: read from ``qsl``."""
+    num_reqs = qsl.shape[0] - 1
+    if max_query_len < 0:
+        for i in range(num_reqs):
+            max_query_len = max(max_query_len, qsl[i + 1] - qsl[i])
+    if (max_query_len <= threshold and (not require_uniform or threshold <= 1)
+            and short_extends_are_decodes):
+        return num_reqs
+    first = qsl[1] - qsl[0]
+    if first > threshold:
+        return _FIRST_IS_PREFILL
+    for i in range(num_reqs):
+        query = qsl[i + 1] - qsl[i]
+        prefill = (query != first and query != 0) if require_uniform else query > threshold
+        if prefill or (not short_extends_are_decodes and is_prefilling[i]):
+            return i
+    return num_reqs
+
+
+def warm_split() -> list[str]:
+    """Compile ``_first_prefill`` for the signatures ``split_host`` hands it
+    (``warmup()``); returns their names."""
+    done = []
+    for dtype in (INT32, INT64):
+        _first_prefill(np.arange(2, dtype=dtype), 1, False, -1, _NOT_PREFILLING, True)
+        done.append(f"split_decodes_and_prefills[{dtype}]")
+    return done
 
 
 def _checked_tokens(decode_tokens: int, total: int) -> int:

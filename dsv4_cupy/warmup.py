@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from . import device, families, loader, prefill_plan
+from . import device, families, loader, prefill_plan, split
 
 
 def warmup(*, gpu: bool | None = None, cpu: bool | None = None,
@@ -26,7 +26,8 @@ def warmup(*, gpu: bool | None = None, cpu: bool | None = None,
         cpu = not gpu
     show = _Progress(sys.stderr.isatty() if progress is None else bool(progress))
     show("host planners")
-    done: dict = {"gpu": [], "cpu": [], "host": prefill_plan.warm_planners()}
+    done: dict = {"gpu": [], "cpu": [],
+                  "host": split.warm_split() + prefill_plan.warm_planners()}
     if gpu:
         device.require_gpu()
         entries = [(family, entry) for family in families.ALL for entry in family.entry_points()]

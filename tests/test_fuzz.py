@@ -31,6 +31,33 @@ def test_fuzz_cpu_against_reference():
                     rng.choice([np.int32, np.int64]))
 
 
+def test_fuzz_split_against_reference():
+    """``split_decodes_and_prefills`` (a numba scan) against the parity
+    reference: decodes (0 to threshold tokens, padding rows of 0 among them)
+    then prefills, every threshold, require_uniform, flag and is_prefilling,
+    int32 and int64, the maximum given or read."""
+    from reference_upstream import split_decodes_and_prefills_v2
+    rng = np.random.default_rng(20261204)
+    for _ in range(FUZZ_BATCHES):
+        threshold = int(rng.integers(1, 5))
+        decodes = rng.integers(0, threshold + 1, int(rng.integers(0, 6)))
+        if rng.random() < 0.5:                    # uniform decodes, padding rows among them
+            decodes = np.where(decodes == 0, 0, threshold)
+        prefills = rng.integers(1, 3 * threshold, int(rng.integers(0, 4)))
+        query = np.concatenate([decodes, prefills]).astype(np.int64)
+        qsl = np.concatenate([[0], np.cumsum(query)]).astype(rng.choice([np.int32, np.int64]))
+        tokens = int(qsl[-1]) + int(rng.integers(0, 3))
+        uniform, flag = bool(rng.random() < 0.5), bool(rng.random() < 0.5)
+        prefilling = rng.random(len(query)) < 0.2
+        longest = int(query.max(initial=0))
+        want = split_decodes_and_prefills_v2(qsl.tolist(), tokens, longest, threshold, uniform,
+                                             flag, None if flag else prefilling.tolist())
+        got = d4.split_decodes_and_prefills(
+            qsl, threshold, uniform, flag, is_prefilling=None if flag else prefilling,
+            num_actual_tokens=tokens, max_query_len=longest if rng.random() < 0.5 else None)
+        assert got == want, (qsl, threshold, uniform, flag, prefilling)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_fuzz_gpu_against_cpu(kind):

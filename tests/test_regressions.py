@@ -198,29 +198,40 @@ def test_no_compile_on_the_serving_path_cpu(monkeypatch):
 
 
 def test_no_compile_in_the_host_planners_after_warmup():
-    """The host decisions of a step with prefills are numba functions on both
-    paths: after ``warmup()`` (its host planners, whatever the path), steps
-    whose ``seq_lens_cpu`` and ``query_start_loc_cpu`` are int32 or int64,
-    numpy or torch CPU, read-only or not, and ``get_prefill_chunk_plan`` on
-    lists and arrays of any int dtype, compile nothing."""
-    from dsv4_cupy import prefill_plan
+    """The split and the host decisions of a step with prefills are numba
+    functions on both paths: after ``warmup()`` (its host planners, whatever
+    the path), steps whose ``seq_lens_cpu`` and ``query_start_loc_cpu`` are
+    int32 or int64, numpy or torch CPU, read-only or not, with or without
+    ``is_prefilling``, ``split_decodes_and_prefills``, and
+    ``get_prefill_chunk_plan`` on lists and arrays of any int dtype, compile
+    nothing."""
+    from dsv4_cupy import prefill_plan, split
     from helpers import make_step
     done = d4.warmup(gpu=False, cpu=False)
-    assert done["gpu"] == done["cpu"] == [] and len(done["host"]) == 5
-    planners = (prefill_plan.step_chunk_plans, prefill_plan._chunk_plan)
+    assert done["gpu"] == done["cpu"] == [] and len(done["host"]) == 7
+    planners = (prefill_plan.step_chunk_plans, prefill_plan._chunk_plan, split._first_prefill)
     before = [len(planner.signatures) for planner in planners]
-    assert before == [4, 1]
-    builder = d4.DeepseekV4StepMetadataBuilder(1 << 14, 1024, combined_prefill=True)
+    assert before == [4, 1, 2]
     rng = np.random.default_rng(3)
-    for seq_dtype in (np.int32, np.int64):
-        for qsl_dtype in (np.int32, np.int64):
-            for kind in HOST_KINDS:
-                cms = make_step(rng, 2, [30, 40], decode_len=1, max_model_len=1 << 14)
-                cm = cms["c128a"]
-                seq, qsl = cm.seq_lens_cpu.astype(seq_dtype), cm.query_start_loc_cpu.astype(qsl_dtype)
-                seq.flags.writeable = qsl.flags.writeable = kind != "numpy"
-                cm.seq_lens_cpu, cm.query_start_loc_cpu = to_kind(seq, kind), to_kind(qsl, kind)
-                assert builder.build(0, cms).num_prefills == 2
+    for extends_are_decodes in (True, False):
+        builder = d4.DeepseekV4StepMetadataBuilder(
+            1 << 14, 1024, combined_prefill=True,
+            treat_short_extends_as_decodes=extends_are_decodes)
+        for seq_dtype in (np.int32, np.int64):
+            for qsl_dtype in (np.int32, np.int64):
+                for kind in HOST_KINDS:
+                    cms = make_step(rng, 2, [30, 40], decode_len=1, max_model_len=1 << 14)
+                    cm = cms["c128a"]
+                    seq = cm.seq_lens_cpu.astype(seq_dtype)
+                    qsl = cm.query_start_loc_cpu.astype(qsl_dtype)
+                    prefilling = np.array([False, True, True, True])
+                    for array in (seq, qsl, prefilling):
+                        array.flags.writeable = kind != "numpy"
+                    cm.seq_lens_cpu, cm.query_start_loc_cpu, cm.is_prefilling = (
+                        to_kind(array, kind) for array in (seq, qsl, prefilling))
+                    got = builder.build(0, cms)
+                    assert got.num_prefills == (2 if extends_are_decodes else 3)
+                    assert d4.split_decodes_and_prefills(qsl, 1)[1] == 2
     for lengths in ([5, 9], np.array([5, 9], np.uint16), np.array([5, 9], np.int64)):
         d4.get_prefill_chunk_plan(lengths, lengths, 4, 4, 64, 1024, 128)
     assert [len(planner.signatures) for planner in planners] == before
