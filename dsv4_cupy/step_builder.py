@@ -394,11 +394,11 @@ class DeepseekV4StepMetadataBuilder:
                plan.native_decode_shape, None if chunks is None else chunks.bounds)
         step = layout.steps.get(key)
         if step is None:
-            step = PreparedStep(self._launches(plan, layout.sections), self.kind, self.device)
+            step = PreparedStep(self._launches(plan, layout.sections), self.kind, self.device,
+                                chunks)
             layout.steps.put(key, step)
         elif plan.split.num_prefills:
-            step.patch(plan.compressed, None if chunks is None else
-                       {"c128a_combine": chunks.c128a, "swa_combine": chunks.swa})
+            step.patch(plan.compressed, chunks)
         return step
 
     def _launches(self, plan: StepPlan, cache: SectionCache | None) -> list:

@@ -72,8 +72,9 @@ def _frozen(described):
     return described.frozen()
 
 
-#: The step kernel's combine sections, whose plans a prepared step rewrites.
-COMBINE_SECTIONS = ("c128a_combine", "swa_combine")
+#: The step kernel's combine sections, whose plans a prepared step rewrites, and
+#: the ``ChunkPlans`` field each takes its plan from.
+COMBINE_SECTIONS = {"c128a_combine": "c128a", "swa_combine": "swa"}
 _NUM_COMPRESSED = step_kernel.PARAMS.offset_of("indexer_prefill", "num_compressed")
 #: Each combine section's plan arrays of M and N: their offsets in the step's struct.
 _PLAN_ARRAYS = {name: tuple(step_kernel.PARAMS.offset_of(name, "plan", array)
@@ -95,33 +96,35 @@ class PreparedStep:
     and M and the indexer's compressed rows (which neither the blocks nor any
     other field depend on) writes those into the same launches."""
 
-    __slots__ = ("launches", "call", "_plans")
+    __slots__ = ("launches", "call", "_pieces")
 
-    def __init__(self, launches: list[Launch], kind: str, device: int):
+    def __init__(self, launches: list[Launch], kind: str, device: int,
+                 chunks: ChunkPlans | None):
         self.launches = tuple(launch.prepare(device) for launch in launches)
         self.call = PreparedCall(tuple(launch for launch in self.launches if launch.blocks),
                                  kind, device, None)
-        # (launch index, combine section, piece index) of each combine piece, in launch order.
-        self._plans, pieces = [], dict.fromkeys(COMBINE_SECTIONS, 0)
-        for index, launch in enumerate(launches):
-            for name in COMBINE_SECTIONS:
-                if type(launch.inputs[name]) is not tuple:      # an off section's values
-                    self._plans.append((index, name, pieces[name]))
-                    pieces[name] += 1
-
-    def patch(self, num_compressed: int, chunks: dict | None) -> None:
-        """Write the indexer's compressed rows and, with ``chunks`` (combine
-        section: its chunk plan), each piece's chunks' M and N (the rest of a
-        ``combine.plan_record``, the chunks and their first requests, is
-        fixed by the chunks' bounds, which the step's host decisions hold)."""
-        _PACK_INT64(self.launches[0].storage, _NUM_COMPRESSED, num_compressed)
+        # Each combine piece, in launch order: (its launch's storage, a pack of its
+        # chunks' count, where its M and N go, its plan, its chunks [start, stop)).
+        self._pieces = []
         if chunks is None:
             return
-        pieces = {name: combine.plan_pieces(plan) for name, plan in chunks.items()}
-        for index, name, piece in self._plans:
-            piece = pieces[name][piece]
-            pack, storage = _int32s(len(piece)), self.launches[index].storage
-            rows_at, offsets_at = _PLAN_ARRAYS[name]
+        pieces = {name: iter(combine.plan_pieces(range(len(getattr(chunks, plan)))))
+                  for name, plan in COMBINE_SECTIONS.items()}
+        for index, launch in enumerate(launches):
+            for name, plan in COMBINE_SECTIONS.items():
+                if type(launch.inputs[name]) is not tuple:      # an off section's values
+                    piece = next(pieces[name])
+                    self._pieces.append((self.launches[index].storage, _int32s(len(piece)),
+                                         *_PLAN_ARRAYS[name], plan, piece.start, piece.stop))
+
+    def patch(self, num_compressed: int, chunks: ChunkPlans | None) -> None:
+        """Write the indexer's compressed rows and each piece's chunks' M and N
+        (the rest of a ``combine.plan_record``, the chunks and their first
+        requests, is fixed by the chunks' bounds, which the step's host
+        decisions hold)."""
+        _PACK_INT64(self.launches[0].storage, _NUM_COMPRESSED, num_compressed)
+        for storage, pack, rows_at, offsets_at, plan, start, stop in self._pieces:
+            piece = getattr(chunks, plan)[start:stop]
             pack(storage, rows_at, *[chunk.rows_per_request for chunk in piece])
             pack(storage, offsets_at, *[chunk.swa_offset for chunk in piece])
 
