@@ -3,6 +3,7 @@ chunk; ``build_c128a_combined_prefill_rows``: the same for every C128A layer
 of a step at once; and the step kernel's combined rows over a prefill plan."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -358,8 +359,9 @@ def prefill_combine_launches(query_start_loc: Operand, seq_lens: Operand, num_de
     return launches
 
 
-def plan_pieces(chunks: tuple[PlanChunk, ...]) -> list[tuple[PlanChunk, ...]]:
-    """A chunk plan in pieces of at most ``MAX_PLAN_CHUNKS`` chunks: a launch each."""
+def plan_pieces(chunks: Sequence) -> list[Sequence]:
+    """A chunk plan (or any sequence, one item per chunk) in pieces of at most
+    ``MAX_PLAN_CHUNKS`` chunks: a launch each."""
     return [chunks[first:first + MAX_PLAN_CHUNKS]
             for first in range(0, len(chunks), MAX_PLAN_CHUNKS)]
 

@@ -13,7 +13,7 @@ from .geometry import MAX_GRID_STRIDE_BLOCKS, THREADS, WARP_LANES, elementwise_b
     row_lane_blocks
 from .k_cache_gather import (K_CACHE_SOURCE, OUT_ROW_ALIGNMENT, _source, check_layer_caches,
                              cpu_gather_position, cpu_request_row_position, cpu_sources)
-from .kinds import GPU_KINDS, INT32, UINT16, as_bits, probe, probe_all
+from .kinds import GPU_KINDS, INT32, INT32_MAX, UINT16, as_bits, probe, probe_all
 from .kv_cache import check_pages
 from .launch import Launch
 from .params import I64, PTR, Params
@@ -35,7 +35,7 @@ WORD_ROWS, TILE_WORDS = 32, 4 * THREADS
 #: alignment on the GPU (the flags' 16-byte vectors).
 FLAG_INTS_PER_WORD, SCRATCH_ALIGNMENT = WORD_ROWS // 4, 16
 #: The largest full workspace (rows, num_reqs * M) the int32 indices can name.
-MAX_WORKSPACE_ROWS = 2**31 - 1
+MAX_WORKSPACE_ROWS = INT32_MAX
 #: The gather's blocks at most (a grid-stride loop over the listed rows, whose
 #: number the device knows): about two waves of an H200's resident blocks.
 MAX_GATHER_BLOCKS = 4096
