@@ -139,7 +139,9 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         the decode/prefill split comes from ``query_start_loc_cpu``. Returns
         views of the persistent buffers. A step whose arrays have the layouts
         (addresses, shapes, strides, dtypes) and counts of an earlier step
-        reuses that step's checks and prepared launch.
+        reuses that step's checks and prepared launch, and returns the same
+        ``DeepseekV4Metadata`` object with this step's ``max_query_len`` and
+        ``max_seq_len`` (as the step builder does).
         """
         cm = common_attn_metadata
         if self._prepared is not None and type(cm) is CommonAttentionMetadata:
@@ -159,10 +161,12 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
             return None
         host_qsl, prefilling, launches = prepared
         split = self.split(cm, host_qsl, prefilling)
-        call = launches.get((split, self.width(max_seq_len), self.valid_tokens(cm, host_qsl)))
-        if call is None or not call.run():
+        kept = launches.get((split, self.width(max_seq_len), self.valid_tokens(cm, host_qsl)))
+        if kept is None or not kept[0].run():
             return None
-        return self.metadata(cm, split, call.results)
+        metadata = kept[1]          # the host ints outside the key
+        metadata.max_query_len, metadata.max_seq_len = cm.max_query_len, max_seq_len
+        return metadata
 
     def _build_checked(self, cm: CommonAttentionMetadata) -> DeepseekV4Metadata:
         step = self.check_step(cm)
@@ -176,6 +180,7 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         width = self.width(cm.max_seq_len) if c128a_tokens else 0
         valid_tokens = self.valid_tokens(cm, host_qsl)
         views = self.result_views(step.num_tokens, split, width)
+        metadata = self.metadata(cm, split, views)
         launch = step_launch(self.step_variant(step),
                              self.sections(step, split, width, c128a_tokens, valid_tokens))
         if self.kind in GPU_KINDS:
@@ -190,8 +195,8 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
                 if prepared is None:
                     prepared = (host_qsl, prefilling, {})
                     self._prepared.put(key, prepared)
-                prepared[2][(split, width, valid_tokens)] = call
+                prepared[2][(split, width, valid_tokens)] = (call, metadata)
         else:
             launch.run_cpu()
-        return self.metadata(cm, split, views)
+        return metadata
 

@@ -424,6 +424,19 @@ def poison(builder):
             buffer[...] = POISON
 
 
+def poison_unseen(builder):
+    """Every buffer of a builder (``buffers()``) poisoned as the kernels write
+    them: torch CUDA buffers through CuPy (DLPack), so torch sees no in-place
+    change of the returned views (a prepared build hands out views that torch
+    did not change)."""
+    for buffer in builder.buffers().values():
+        value = True if str(buffer.dtype) in ("bool", "torch.bool") else POISON
+        if type(buffer).__module__.startswith("torch") and buffer.is_cuda:
+            import cupy
+            buffer = cupy.from_dlpack(buffer)
+        buffer[...] = value
+
+
 def random_swa_case(rng):
     """(window, qsl, seq_lens, token_to_req, is_valid, table, block_size, token_offset,
     num_rows): decodes then prefills, zero-length requests, padding tokens."""

@@ -9,7 +9,7 @@ import pytest
 import dsv4_cupy as d4
 
 from conftest import GPU_KINDS, to_kind, to_numpy
-from helpers import POISON, common_metadata, make_batch, random_batch
+from helpers import POISON, common_metadata, make_batch, make_builder, poison_unseen, random_batch
 
 pytestmark = pytest.mark.gpu
 I32, I64 = np.int32, np.int64
@@ -111,6 +111,39 @@ def test_one_builder_over_many_steps_equals_the_cpu_builder(kind):
                     np.testing.assert_array_equal(to_numpy(g), w, err_msg=field)
             assert (got.num_decodes, got.num_prefill_tokens) == (want.num_decodes,
                                                                  want.num_prefill_tokens)
+
+
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_repeated_group_step_returns_its_kept_metadata(kind):
+    """A prepared build returns the object the first build returned, with this
+    step's max_query_len and max_seq_len and the CPU builder's rows; a view the
+    caller changed in place gets a new object."""
+    rng = np.random.default_rng(12)
+    gpu = make_builder(kind, 128, 1 << 20, spec=1)
+    cpu = make_builder("numpy", 128, 1 << 20, spec=1)
+    batch = make_batch([2, 1, 2], rng.integers(0, 40_000, 3), rng=rng, pad_tokens=1,
+                       threshold=2)
+    cm, host = common_metadata(batch, kind), common_metadata(batch, "numpy")
+    first = gpu.build(0, cm)
+    for max_query_len, max_seq_len in ((1, 70_000), (2, 90_000), (2, batch.max_seq_len)):
+        poison_unseen(gpu)
+        cm.max_query_len = host.max_query_len = max_query_len
+        cm.max_seq_len = host.max_seq_len = max_seq_len
+        got, want = gpu.build(0, cm), cpu.build(0, host)
+        assert got is first
+        assert (got.max_query_len, got.max_seq_len) == (max_query_len, max_seq_len)
+        for field in d4.DeepseekV4Metadata.RESULTS:
+            g, w = getattr(got, field), getattr(want, field)
+            assert (g is None) == (w is None), field
+            if w is not None:
+                np.testing.assert_array_equal(to_numpy(g), w, err_msg=field)
+    if kind == "cupy":
+        first.req_id_per_token.shape = (1, batch.num_tokens)
+    else:
+        first.req_id_per_token.unsqueeze_(0)
+    again = gpu.build(0, cm)
+    assert again is not first and again.req_id_per_token.shape == (batch.num_tokens,)
+    assert gpu.build(0, cm) is again
 
 
 def _layer_calls(rng):

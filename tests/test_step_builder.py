@@ -13,24 +13,10 @@ import dsv4_cupy as d4
 from dsv4_cupy.launch import PreparedLaunch
 
 from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
-from helpers import POISON, make_step
+from helpers import make_step, poison_unseen
 
 I32, I64 = np.int32, np.int64
 MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
-
-
-def poison(builder):
-    """Every buffer poisoned as the kernels write them: torch CUDA buffers
-    through CuPy (DLPack), so torch sees no in-place change of the returned
-    views (a prepared build hands out views that torch did not change)."""
-    for buffer in builder.buffers().values():
-        value = True if buffer.dtype in (np.bool_,) or str(buffer.dtype) == "torch.bool" \
-            else POISON
-        if _kind(buffer) == "torch_cuda":
-            import cupy
-            cupy.from_dlpack(buffer)[...] = value
-        else:
-            buffer[...] = value
 
 
 def composition(cms, builder):
@@ -147,7 +133,7 @@ def checked_builds(builder, kind, rng, steps, monkeypatch):
     launches = count_launches(monkeypatch)
     for decodes, prefills, pad, short in steps:
         cms = make_step(rng, decodes, prefills, pad, short, kind)
-        poison(builder)
+        poison_unseen(builder)
         del launches[:]
         got = builder.build(0, cms)
         if kind in GPU_KINDS:
@@ -205,7 +191,7 @@ def test_the_native_indexer_decode_layout_equals_its_op(kind, spec, monkeypatch)
     for decodes, prefills, pad, short in STEPS:
         cms = make_step(rng, decodes, prefills, pad, short, kind,
                         decode_len=None if spec else 1)
-        poison(builder)
+        poison_unseen(builder)
         del launches[:]
         got = builder.build(0, cms)
         if kind in GPU_KINDS:
@@ -228,7 +214,7 @@ def test_wide_combined_rows_equal_the_ops(kind):
                                                num_speculative_tokens=SPEC,
                                                like=to_kind(np.zeros(1, I32), kind))
     cms = make_step(rng, 3, [40, 300, 1], pad=3, kind=kind, max_model_len=max_model_len)
-    poison(builder)
+    poison_unseen(builder)
     got = builder.build(0, cms)
     assert geometry.combine_lanes(got.c128a_combined_indices.shape[1]) == geometry.THREADS
     assert geometry.combine_lanes(got.swa_combined_indices.shape[1]) == geometry.WARP_LANES
@@ -244,7 +230,7 @@ def test_a_plan_longer_than_a_launch_carries_equals_the_ops(kind, monkeypatch):
                                                prefill_chunk_size=1, max_num_compressed=1 << 21,
                                                like=to_kind(np.zeros(1, I32), kind))
     cms = make_step(rng, 2, [4] * 1000, kind=kind)
-    poison(builder)
+    poison_unseen(builder)
     launches = count_launches(monkeypatch)
     got = builder.build(0, cms)
     chunks = max(len(got.c128a_prefill_chunks), len(got.swa_prefill_chunks))
@@ -370,7 +356,7 @@ def test_every_groups_slot_mapping_and_positions_are_checked(group):
     rng = np.random.default_rng(2)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
                                                num_speculative_tokens=SPEC)
-    poison(builder)
+    poison_unseen(builder)
     for field, value, error, match in (
             ("slot_mapping", "abc", TypeError, "expected a numpy, cupy or torch array"),
             ("slot_mapping", None, TypeError, "expected an array, got None"),
@@ -393,7 +379,7 @@ def test_full_validation_refuses_bad_data(kind):
     builders = {mode: d4.DeepseekV4StepMetadataBuilder(
         MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC, like=to_kind(np.zeros(1, I32), kind), validate=mode,
         num_cache_blocks=1 << 16) for mode in ("default", "full")}
-    poison(builders["full"])
+    poison_unseen(builders["full"])
 
     def shared(cms, name, change):
         value = to_numpy(getattr(cms["c128a"], name)).copy()
@@ -499,7 +485,7 @@ def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
         for name in ("block_table_tensor", "slot_mapping"):
             getattr(cm, name)[...] = to_kind(getattr(fresh[group], name), kind)
     cms["c128a"].seq_lens[...] = to_kind(fresh["c128a"].seq_lens_cpu, kind)
-    poison(builder)
+    poison_unseen(builder)
     got = builder.build(0, cms)
     assert got is first
     assert_equal(got, composition(cms, builder))
@@ -541,7 +527,7 @@ def test_a_prefill_step_with_known_layouts_reuses_the_checks(kind, monkeypatch):
     c128a.seq_lens_cpu[...] = new.seq_lens_cpu
     for cm in cms.values():
         cm.max_query_len, cm.max_seq_len = new.max_query_len, new.max_seq_len
-    poison(builder)
+    poison_unseen(builder)
     got = builder.build(0, cms)
     assert got.num_decodes == 3 and got.num_prefills == 2
     assert_equal(got, composition(cms, builder))
@@ -575,7 +561,7 @@ def test_prefill_steps_of_one_layout_write_their_own_sizes(kind, monkeypatch):
         for name in ("seq_lens", "positions"):
             getattr(c128a, name)[...] = to_kind(getattr(fresh, name), kind)
         c128a.seq_lens_cpu[...] = fresh.seq_lens_cpu
-        poison(builder)
+        poison_unseen(builder)
         del launches[:]
         before = allocated()
         got = builder.build(0, cms)
