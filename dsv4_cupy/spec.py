@@ -138,9 +138,12 @@ def c128a_active_width(max_seq_len: int, capacity: int) -> int:
 
 
 def active_width(max_seq_len: int, capacity: int) -> int:
-    """``c128a_active_width`` of checked ints (the builders' per-step path)."""
-    return min(max(next_power_of_2(max(max_seq_len // C128A_RATIO, 1)), C128A_TOPK_ALIGNMENT),
-               capacity)
+    """``c128a_active_width`` of checked ints (the builders' per-step path,
+    without calls: the alignment is a power of two, so the clamp from below
+    holds every ``next_pow2`` of a count up to it)."""
+    rows = max_seq_len // C128A_RATIO
+    width = 1 << (rows - 1).bit_length() if rows > C128A_TOPK_ALIGNMENT else C128A_TOPK_ALIGNMENT
+    return width if width < capacity else capacity
 
 
 _CACHE_DTYPES = ("auto", "fp8_ds_mla", "fp8")

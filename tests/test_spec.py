@@ -24,6 +24,16 @@ def test_active_width(max_seq_len, capacity):
     assert width % 128 == 0 and 128 <= width <= capacity
 
 
+def test_active_width_at_every_length_near_the_width_steps():
+    """Every max_seq_len within 300 of each power-of-two step of the width."""
+    lengths = {n for step in range(7, 22) for n in range(max((128 << step) - 300, 0),
+                                                         (128 << step) + 300)}
+    for capacity in (128, 640, 8192):
+        for max_seq_len in sorted(lengths):
+            assert d4.c128a_active_width(max_seq_len, capacity) == \
+                ref.c128a_active_width(max_seq_len, capacity), (max_seq_len, capacity)
+
+
 def test_active_width_rejects_unaligned_capacity():
     with pytest.raises(ValueError, match="capacity"):
         d4.c128a_active_width(1000, 200)
