@@ -140,8 +140,7 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         views of the persistent buffers. A step whose arrays have the layouts
         (addresses, shapes, strides, dtypes) and counts of an earlier step
         reuses that step's checks and prepared launch, and returns the same
-        ``DeepseekV4Metadata`` object with this step's ``max_query_len`` and
-        ``max_seq_len`` (as the step builder does).
+        ``DeepseekV4Metadata`` object holding this step's arrays and maxima.
         """
         cm = common_attn_metadata
         if self._prepared is not None and type(cm) is CommonAttentionMetadata:
@@ -164,9 +163,8 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         kept = launches.get((split, self.width(max_seq_len), self.valid_tokens(cm, host_qsl)))
         if kept is None or not kept[0].run():
             return None
-        metadata = kept[1]          # the host ints outside the key
-        metadata.max_query_len, metadata.max_seq_len = cm.max_query_len, max_seq_len
-        return metadata
+        self.refresh(kept[1], cm)
+        return kept[1]
 
     def _build_checked(self, cm: CommonAttentionMetadata) -> DeepseekV4Metadata:
         step = self.check_step(cm)

@@ -331,6 +331,14 @@ class KVCacheGroup:
             c128a_decode_topk_lens=views.c128a_decode_lens if rows and nd else None,
             c128a_prefill_topk_indices=views.c128a_prefill if rows and np_tokens else None)
 
+    def refresh(self, metadata: DeepseekV4Metadata, cm: CommonAttentionMetadata) -> None:
+        """A kept ``metadata`` of a step with ``cm``'s layout and split given
+        ``cm``'s own arrays and maxima (its views and counts stay)."""
+        metadata.max_query_len, metadata.max_seq_len = cm.max_query_len, cm.max_seq_len
+        metadata.query_start_loc, metadata.block_table = cm.query_start_loc, cm.block_table_tensor
+        if self.compress_ratio == 1:
+            metadata.slot_mapping = cm.slot_mapping
+
     def buffer_operand(self, name: str) -> Operand | None:
         """A persistent buffer as probed once."""
         return self._buffers[name]

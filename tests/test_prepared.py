@@ -115,9 +115,9 @@ def test_one_builder_over_many_steps_equals_the_cpu_builder(kind):
 
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_a_repeated_group_step_returns_its_kept_metadata(kind):
-    """A prepared build returns the object the first build returned, with this
-    step's max_query_len and max_seq_len and the CPU builder's rows; a view the
-    caller changed in place gets a new object."""
+    """A prepared build returns the object the first build returned, holding
+    this step's arrays, max_query_len and max_seq_len and the CPU builder's
+    rows; a view the caller changed in place gets a new object."""
     rng = np.random.default_rng(12)
     gpu = make_builder(kind, 128, 1 << 20, spec=1)
     cpu = make_builder("numpy", 128, 1 << 20, spec=1)
@@ -127,11 +127,14 @@ def test_a_repeated_group_step_returns_its_kept_metadata(kind):
     first = gpu.build(0, cm)
     for max_query_len, max_seq_len in ((1, 70_000), (2, 90_000), (2, batch.max_seq_len)):
         poison_unseen(gpu)
+        cm.block_table_tensor = cm.block_table_tensor[:]    # the same layout, a new object
         cm.max_query_len = host.max_query_len = max_query_len
         cm.max_seq_len = host.max_seq_len = max_seq_len
         got, want = gpu.build(0, cm), cpu.build(0, host)
         assert got is first
         assert (got.max_query_len, got.max_seq_len) == (max_query_len, max_seq_len)
+        assert got.query_start_loc is cm.query_start_loc
+        assert got.block_table is cm.block_table_tensor
         for field in d4.DeepseekV4Metadata.RESULTS:
             g, w = getattr(got, field), getattr(want, field)
             assert (g is None) == (w is None), field
