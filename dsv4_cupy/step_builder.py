@@ -227,8 +227,8 @@ class DeepseekV4StepMetadataBuilder:
                 call, metadata = prepared
                 if call.run():
                     cm = common_attn_metadata["c128a"]     # host ints outside the key
-                    for holder in (metadata, metadata.c128a):
-                        holder.max_query_len, holder.max_seq_len = cm.max_query_len, cm.max_seq_len
+                    metadata.max_query_len, metadata.max_seq_len = cm.max_query_len, cm.max_seq_len
+                    self.c128a_group.refresh(metadata.c128a, cm)
                     return metadata
         return self._build_checked(common_attn_metadata, capturing, layout_key, key)
 
@@ -514,10 +514,9 @@ class DeepseekV4StepMetadataBuilder:
         """What a step's metadata holds beyond its views of ``_views_of``'s
         decisions: the caller's maxima and arrays, the indexer's compressed
         rows, the chunk plans."""
-        cm, c128a = plan.cms["c128a"], out.c128a
-        out.max_query_len = c128a.max_query_len = cm.max_query_len
-        out.max_seq_len = c128a.max_seq_len = cm.max_seq_len
-        c128a.query_start_loc, c128a.block_table = cm.query_start_loc, cm.block_table_tensor
+        cm = plan.cms["c128a"]
+        out.max_query_len, out.max_seq_len = cm.max_query_len, cm.max_seq_len
+        self.c128a_group.refresh(out.c128a, cm)
         if plan.split.num_prefills:
             out.indexer_token_to_seq = self._views.get(self.indexer_prefill_buffers[1], 0,
                                                        plan.compressed)
