@@ -205,8 +205,9 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     prefill = checks.output("prefill_buffer", ops["prefill_buffer"], kind, device, INT32,
                             num_prefill_tokens, width)
     checks.check_no_alias([global_decode, lens, prefill], [pos, token_to_req, table, slots])
-    if validation.check_mode(validate, num_cache_blocks):
-        validation.storage_block(block_size, compress_ratio)
+    full = validation.check_mode(validate, num_cache_blocks)
+    validation.storage_block(block_size, compress_ratio, full)
+    if full:
         validation.c128a_inputs(positions, token_to_req_indices, block_table, kind,
                                 num_decode_tokens, compress_ratio, width, block_size,
                                 num_cache_blocks)

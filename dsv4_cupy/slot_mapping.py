@@ -151,8 +151,9 @@ def get_compressed_slot_mapping(num_tokens: int, slot_mapping, query_start_loc, 
         checks.check(token_slots, SLOT_MAPPING_AXIS.values, 1, min_len=num_tokens)
     out = checks.output("out", ops["out"], kind, device, INT64, num_tokens)
     checks.check_no_alias([out], [qsl, seq, table, token_slots])
-    if validation.check_mode(validate, num_cache_blocks):
-        validation.storage_block(block_size, compress_ratio)
+    full = validation.check_mode(validate, num_cache_blocks)
+    validation.storage_block(block_size, compress_ratio, full)
+    if full:
         validation.slot_mapping_inputs(query_start_loc, seq_lens, block_table, kind, block_size,
                                        compress_ratio, cp.world_size, num_cache_blocks)
     result = out.array[:num_tokens]

@@ -28,12 +28,14 @@ def check_mode(validate: str, num_cache_blocks=None) -> bool:
     return validate == "full"
 
 
-def storage_block(block_size: int, compress_ratio: int) -> None:
+def storage_block(block_size: int, compress_ratio: int, full: bool) -> None:
     """Warn when a storage block cannot be DeepSeek-V4's ``256 // compress_ratio``
-    (a warning: other models may differ). Passing the logical block (256) where
-    the ops take the storage block silently gives wrong slots."""
+    (a warning: other models may differ); without ``full`` only for the
+    logical block itself (256 with a ratio above 1), which where the ops
+    take the storage block silently gives wrong slots."""
     expected = spec.KV_BLOCK_SIZE // compress_ratio if compress_ratio > 1 else spec.KV_BLOCK_SIZE
-    if block_size != expected:
+    logical = block_size == spec.KV_BLOCK_SIZE and compress_ratio > 1
+    if block_size != expected and (full or logical):
         warnings.warn(f"block_size: the ops take the storage block, {spec.KV_BLOCK_SIZE} // "
                       f"compress_ratio = {expected} for DeepSeek-V4, got {block_size}"
                       + (" (the logical block?)" if block_size == spec.KV_BLOCK_SIZE else ""),

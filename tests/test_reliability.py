@@ -381,13 +381,24 @@ def test_split_counts_for_every_ratio(kind, ratio):
         2, 1, 3, 30)
 
 
-def test_a_logical_block_passed_to_an_op_warns_under_full_validation():
-    args = (4, None, np.array([0, 4], I32), np.array([4], I32), np.zeros((1, 4), I32))
-    with pytest.warns(UserWarning, match=r"block_size: the ops take the storage block, 256 // "
-                                         r"compress_ratio = 2 for DeepSeek-V4, got 256 \(the "
-                                         r"logical block\?\)"):
-        d4.get_compressed_slot_mapping(*args, 256, 128, validate="full")
+def test_a_logical_block_passed_to_an_op_warns():
+    """The logical block (256) where the ops take the storage block warns in
+    either mode; another block than DeepSeek-V4's only under full validation."""
     import warnings
+    args = (4, None, np.array([0, 4], I32), np.array([4], I32), np.zeros((1, 4), I32))
+    logical = (r"block_size: the ops take the storage block, 256 // compress_ratio = 2 for "
+               r"DeepSeek-V4, got 256 \(the logical block\?\)")
+    c128a_args = (np.arange(4), 128, 4, np.zeros(4, I32), np.zeros((1, 4), I32))
+    for validate in ("default", "full"):
+        with pytest.warns(UserWarning, match=logical):
+            d4.get_compressed_slot_mapping(*args, 256, 128, validate=validate)
+        with pytest.warns(UserWarning, match=logical):
+            d4.build_c128a_topk_metadata(*c128a_args, 256, np.zeros(4, np.int64),
+                                         validate=validate)
+    with pytest.warns(UserWarning, match="compress_ratio = 2 for DeepSeek-V4, got 8$"):
+        d4.get_compressed_slot_mapping(*args, 8, 128, validate="full")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         d4.get_compressed_slot_mapping(*args, 2, 128, validate="full")
+        d4.get_compressed_slot_mapping(*args, 8, 128)
+        d4.build_c128a_topk_metadata(*c128a_args, 2, np.zeros(4, np.int64))
