@@ -57,8 +57,9 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         reported (a ``seq_len`` past ``max_model_len`` gets C128A rows cut at
         what the width and block table cover). "full" makes every build also
         check the step's data (a sync on GPU): query layout, ``seq_len >=
-        query_len``, ``seq_len <= max_model_len``, decodes before prefills,
-        request ids and block columns inside the table and, with
+        query_len``, ``seq_len <= max_model_len``, ``query_start_loc_cpu``,
+        ``max_query_len`` and ``max_seq_len`` against the arrays, decodes
+        before prefills, request ids and block columns inside the table and, with
         ``num_cache_blocks``, block ids inside the cache. For debugging.
 
     ``block_size`` here is the logical block (256), as in vLLM's builder; the

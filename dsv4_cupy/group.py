@@ -237,6 +237,8 @@ class KVCacheGroup:
         kind, table = self.kind, cm.block_table_tensor
         num_tokens, num_decode_tokens = step.num_tokens, split.num_decode_tokens
         qsl = cm.query_start_loc[:cm.num_reqs + 1]
+        validation.step_host_values(step.host_query_start_loc, qsl, cm.seq_lens, kind,
+                                    cm.num_reqs, cm.max_query_len, cm.max_seq_len)
         validation.decodes_first(step.host_query_start_loc[:cm.num_reqs + 1],
                                  self.decode_threshold)
         validation.max_lengths(cm.seq_lens, kind, cm.num_reqs, self.max_model_len)

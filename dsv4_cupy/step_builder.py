@@ -81,7 +81,9 @@ class DeepseekV4StepMetadataBuilder:
         range is contained, not reported (a ``seq_len`` past ``max_model_len``
         gets C128A rows cut at what the width and block table cover). "full"
         makes every build also check the step's data (a sync on GPU): each
-        group's query layout and tables, ``seq_lens <= max_model_len``, the
+        group's query layout and tables, ``seq_lens <= max_model_len``,
+        ``query_start_loc_cpu``, ``max_query_len`` and ``max_seq_len`` against
+        the arrays, the
         same positions and padding tokens (slot -1) in every group, and, with
         ``num_cache_blocks``, block ids inside the cache. For debugging.
     num_cache_blocks : int, optional

@@ -65,13 +65,35 @@ def query_layout(qsl, seq_lens, kind: str, num_rows: int, num_tokens: int | None
                              f"< query_len {int(steps[b])} for request {b}")
 
 
-def longest_query(qsl, kind: str, num_reqs: int, max_query_len: int) -> None:
-    """No request's query longer than ``max_query_len``."""
+def longest_query(qsl, kind: str, num_reqs: int, max_query_len: int,
+                  name: str = "max_decode_len") -> None:
+    """No request's query longer than ``max_query_len`` (the argument ``name``)."""
     steps = np.diff(_host_int64(qsl, kind)[:num_reqs + 1])
     if (steps > max_query_len).any():
         b = _first(steps > max_query_len)
-        raise ValueError(f"max_decode_len: expected at least every request's query length, got "
+        raise ValueError(f"{name}: expected at least every request's query length, got "
                          f"{max_query_len} < {int(steps[b])} for request {b}")
+
+
+def step_host_values(host_qsl: np.ndarray, qsl, seq_lens, kind: str, num_reqs: int,
+                     max_query_len: int, max_seq_len: int) -> None:
+    """A step's host values agree with its arrays: ``query_start_loc_cpu``
+    holds ``query_start_loc``'s values, and ``max_query_len``, ``max_seq_len``
+    bound every request's (the split, the C128A width and the short-context
+    rows are decided from them alone)."""
+    device = _host_int64(qsl, kind)[:num_reqs + 1]
+    differ = host_qsl[:num_reqs + 1].astype(np.int64) != device
+    if differ.any():
+        i = _first(differ)
+        raise ValueError(f"query_start_loc_cpu: expected the values of query_start_loc, got "
+                         f"{int(host_qsl[i])} at index {i} where query_start_loc holds "
+                         f"{int(device[i])}")
+    longest_query(host_qsl, "numpy", num_reqs, max_query_len, "max_query_len")
+    seq = _host_int64(seq_lens, kind)[:num_reqs]
+    if (seq > max_seq_len).any():
+        b = _first(seq > max_seq_len)
+        raise ValueError(f"max_seq_len: expected at least every request's seq_len, got "
+                         f"{max_seq_len} < {int(seq[b])} for request {b}")
 
 
 def max_lengths(seq_lens, kind: str, num_reqs: int, max_model_len: int) -> None:

@@ -2,12 +2,14 @@
 launch, with nothing written (outputs are poisoned and must stay so)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import dsv4_cupy as d4
 
-from helpers import POISON, common_metadata, make_batch
+from helpers import POISON, common_metadata, make_batch, poison
 
 I32, I64 = np.int32, np.int64
 
@@ -198,6 +200,36 @@ def test_full_validation_in_the_builder():
         builder.build(0, common_metadata(batch, "numpy"))
     ok = make_batch([1, 30], [500, 0])
     builder.build(0, common_metadata(ok, "numpy"))   # a well-formed step passes
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(max_seq_len=100), r"max_seq_len: expected at least every request's seq_len, got 100 "
+                            r"< 500 for request 0"),
+    (dict(max_query_len=1), r"max_query_len: expected at least every request's query length, "
+                            r"got 1 < 30 for request 1"),
+    (dict(query_start_loc_cpu=np.array([0, 1, 30], I32)),
+     r"query_start_loc_cpu: expected the values of query_start_loc, got 30 at index 2 where "
+     r"query_start_loc holds 31"),
+])
+def test_full_validation_checks_the_steps_host_values(change, match):
+    """max_seq_len, max_query_len and query_start_loc_cpu decide the width, the
+    split and the short-context rows on the host: full validation checks them
+    against the arrays, in both builders, before any write."""
+    cm = common_metadata(make_batch([1, 30], [499, 0]), "numpy")
+    for name, value in change.items():
+        setattr(cm, name, value)
+    group = d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, validate="full")
+    poison(group)
+    with pytest.raises(ValueError, match=match):
+        group.build(0, cm)
+    assert all((buffer == POISON).all() for buffer in group.buffers().values())
+    step = d4.DeepseekV4StepMetadataBuilder(1 << 16, 64, validate="full")
+    cms = {name: dataclasses.replace(cm, seq_lens_cpu=cm.seq_lens) for name in
+           ("swa", "c4a", "indexer", "c128a")}
+    with pytest.raises(ValueError, match=match):
+        step.build(0, cms)
+    cm.__dict__.update(common_metadata(make_batch([1, 30], [499, 0]), "numpy").__dict__)
+    group.build(0, cm)                                   # the same step, true values: passes
 
 
 def test_builder_arguments():
