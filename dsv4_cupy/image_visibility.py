@@ -2,13 +2,16 @@
 prefill token sees (vision models), and the host CSR of a step's spans."""
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
+
 import numpy as np
 from numba import prange
 
 from . import checks, geometry, validation
 from .cpu import ParallelKernel
 from .family import KernelFamily
-from .kinds import INT32, Operand, probe_all
+from .kinds import INT32, INT32_MAX, Operand, probe_all
 from .launch import Launch
 from .params import I64, PTR, QUERY_LAYOUT, Params, QueryLayout
 from .prepared import Checked, PreparedOp
@@ -53,21 +56,42 @@ _OP = PreparedOp("compute_image_visibility")
 
 def image_span_csr(mm_req_doc_ranges, num_reqs: int) -> tuple[np.ndarray, np.ndarray,
                                                                   np.ndarray]:
-    """vLLM 0.34's ``mm_req_doc_ranges`` (request row -> inclusive ``(start,
-    end)`` prompt positions of its images) as ``(span_indptr [R + 1],
-    span_starts, span_ends)``, int32 host arrays: request ``b``'s spans are
-    ``[span_indptr[b], span_indptr[b + 1])``, in the order given."""
+    """vLLM 0.34's ``mm_req_doc_ranges`` (a dict: request row -> its images'
+    inclusive ``(start, end)`` prompt positions, or None) as ``(span_indptr
+    [R + 1], span_starts, span_ends)``, int32 host arrays: request ``b``'s
+    spans are ``[span_indptr[b], span_indptr[b + 1])``, in the order given.
+    Rows at or past ``num_reqs`` are not read, as in vLLM."""
     num_reqs = check_int("num_reqs", num_reqs, minimum=0)
-    ranges = {} if mm_req_doc_ranges is None else mm_req_doc_ranges
-    spans = [tuple(span) for b in range(num_reqs) for span in ranges.get(b, ())]
-    if any(len(span) != 2 for span in spans):
-        raise ValueError("mm_req_doc_ranges: expected (start, end) pairs per request")
-    counts = [len(ranges.get(b, ())) for b in range(num_reqs)]
+    if mm_req_doc_ranges is None:
+        mm_req_doc_ranges = {}
+    elif not isinstance(mm_req_doc_ranges, Mapping):
+        raise TypeError("mm_req_doc_ranges: expected a dict of request row -> [(start, end), "
+                        f"...] or None, got {type(mm_req_doc_ranges).__name__}")
     indptr = np.zeros(num_reqs + 1, np.int32)
-    np.cumsum(counts, out=indptr[1:])
-    starts = np.array([start for start, _ in spans], np.int32)
-    ends = np.array([end for _, end in spans], np.int32)
-    return indptr, starts, ends
+    starts, ends = [], []
+    for b in range(num_reqs):
+        for start, end in _spans(b, mm_req_doc_ranges.get(b, ())):
+            starts.append(start)
+            ends.append(end)
+        indptr[b + 1] = len(starts)
+    return indptr, np.array(starts, np.int32), np.array(ends, np.int32)
+
+
+def _spans(b: int, spans):
+    """Request ``b``'s spans as checked ``(start, end)`` ints, ``0 <= start <= end``."""
+    name = f"mm_req_doc_ranges[{b}]"
+    try:
+        pairs = [tuple(operator.index(value) for value in span) for span in spans]
+    except TypeError:
+        raise TypeError(f"{name}: expected a list of (start, end) int pairs, got "
+                        f"{spans!r}") from None
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"{name}: expected (start, end) pairs, got {pair!r}")
+        if not 0 <= pair[0] <= pair[1] <= INT32_MAX:
+            raise ValueError(f"{name}: expected 0 <= start <= end <= {INT32_MAX} (inclusive "
+                             f"positions), got {pair!r}")
+    return pairs
 
 
 def compute_image_visibility(span_indptr, span_starts, span_ends, query_start_loc, seq_lens,

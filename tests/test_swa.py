@@ -239,8 +239,20 @@ def test_image_span_csr_and_its_refusals():
     assert indptr.tolist() == [0, 2, 2, 3] and starts.tolist() == [4, 20, 1]
     assert ends.tolist() == [12, 24, 1]
     assert [x.tolist() for x in d4.image_span_csr(None, 2)] == [[0, 0, 0], [], []]
-    with pytest.raises(ValueError, match="mm_req_doc_ranges: expected"):
-        d4.image_span_csr({0: [(1, 2, 3)]}, 1)
+    assert d4.image_span_csr({0: [(1, 2)], 5: [(3, 4)]}, 1)[1].tolist() == [1]   # as vLLM
+    for ranges, error, match in (
+            ({0: [(1, 2, 3)]}, ValueError, r"mm_req_doc_ranges\[0\]: expected \(start, end\) "
+                                           r"pairs, got \(1, 2, 3\)"),
+            ({0: [(10, 5)]}, ValueError, r"mm_req_doc_ranges\[0\]: expected 0 <= start <= end"),
+            ({0: [(-1, 5)]}, ValueError, r"mm_req_doc_ranges\[0\]: expected 0 <= start"),
+            ({0: [(0, 1 << 31)]}, ValueError, r"<= 2147483647 \(inclusive positions\)"),
+            ({0: [0, 10]}, TypeError, r"mm_req_doc_ranges\[0\]: expected a list of \(start, "
+                                      r"end\) int pairs, got \[0, 10\]"),
+            ({0: [(0.5, 2)]}, TypeError, r"mm_req_doc_ranges\[0\]: expected a list"),
+            ([[(0, 10)]], TypeError, r"mm_req_doc_ranges: expected a dict of request row -> "
+                                     r"\[\(start, end\), \.\.\.\] or None, got list")):
+        with pytest.raises(error, match=match):
+            d4.image_span_csr(ranges, 1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
