@@ -1,11 +1,16 @@
 """``DeepseekV4MetadataBuilder``: vLLM's per-group builder's per-step work, in one launch on GPU."""
 from __future__ import annotations
 
+import inspect
+
 from .group import KVCacheGroup
 from .kinds import GPU_KINDS
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .prepared import PreparedCall, PreparedCalls
 from .step_kernel import step_launch
+
+#: The builder's arguments are its group's (help() and inspect show them).
+_GROUP_SIGNATURE = inspect.signature(KVCacheGroup.__init__)
 
 
 class DeepseekV4MetadataBuilder(KVCacheGroup):
@@ -77,6 +82,10 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
     """
 
     def __init__(self, *args, **kwargs):
+        try:
+            _GROUP_SIGNATURE.bind(self, *args, **kwargs)
+        except TypeError as error:      # else Python names KVCacheGroup.__init__
+            raise TypeError(f"DeepseekV4MetadataBuilder: {error}") from None
         super().__init__(*args, **kwargs)
         self._capturing = False
         self._captured = None
@@ -84,6 +93,8 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         # per (split, width, valid tokens) seen with them; see build().
         self._prepared = (PreparedCalls() if self.kind in GPU_KINDS
                           and not self.full_validation else None)
+
+    __init__.__signature__ = _GROUP_SIGNATURE
 
     def width(self, max_seq_len: int, capturing: bool = False) -> int:
         """C128A columns written this step (0 unless compress_ratio is 128)."""

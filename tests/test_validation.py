@@ -3,6 +3,7 @@ launch, with nothing written (outputs are poisoned and must stay so)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -241,6 +242,11 @@ def test_builder_arguments():
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, block_size=64)
     with pytest.raises(TypeError, match="common_attn_metadata: expected a CommonAttentionMetadata"):
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64).build(0, {"num_reqs": 1})
+    with pytest.raises(TypeError, match="DeepseekV4MetadataBuilder: got an unexpected keyword "
+                                        "argument 'blocksize'"):
+        d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, blocksize=256)
+    assert list(inspect.signature(d4.DeepseekV4MetadataBuilder).parameters)[:4] == [
+        "compress_ratio", "max_model_len", "max_num_batched_tokens", "block_size"]
 
 
 def test_builder_rejects_a_boundary_outside_the_step():
