@@ -8,11 +8,13 @@ import math
 
 import numpy as np
 
-from .kinds import GPU_KINDS, INT32, KIND_TEXT, NUMPY, Operand, empty, kind_of, probe
+from .kinds import GPU_KINDS, INT32, KIND_TEXT, NUMPY, UINT16, Operand, empty, kind_of, probe
 from .scalars import check_int
 
 #: Widest row an op writes (columns are 32-bit inside the kernels).
 MAX_ROW_WIDTH = 1 << 24
+#: How a dtype the checks take as bits is named to the caller (``kinds.as_bits``).
+_DTYPE_TEXT = {UINT16: "bfloat16 (or its uint16 bits)"}
 
 
 def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
@@ -24,7 +26,7 @@ def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
     """
     name, shape = op.name, op.shape
     if op.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
+        want = " or ".join(_DTYPE_TEXT.get(d, str(d)) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {want}, got {op.dtype}")
     if len(shape) != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(shape)}")

@@ -407,7 +407,7 @@ def test_bad_input_is_refused_before_any_write(kind):
     k = to_kind(random_k(rng, 4), kind)
     slots = to_kind(np.arange(4, dtype=I64), kind)
     cases = [
-        (dict(k=to_kind(np.zeros((4, 512), np.float32), kind)), TypeError, "k: expected dtype uint16"),
+        (dict(k=to_kind(np.zeros((4, 512), np.float32), kind)), TypeError, r"k: expected dtype bfloat16 \(or its uint16 bits\), got float32"),
         (dict(k=to_kind(random_k(rng, 4)[:, :100], kind)), ValueError, "k: expected at least 512"),
         (dict(slot_mapping=to_kind(np.arange(5, dtype=I64), kind)), ValueError,
          "k: expected a row for each of the 5 slots"),
