@@ -198,7 +198,7 @@ def combine_args(**changes):
 @pytest.mark.parametrize("changes,error,match", [
     (dict(topk=5), ValueError, "topk_indices: expected at least 5 columns"),
     (dict(compress_ratio=0), ValueError, "compress_ratio: expected an int >= 1, got 0"),
-    (dict(N=65), ValueError, "N: expected an int <= 64, got 65"),
+    (dict(N=65), ValueError, r"N: expected at most M \(64\), a request.s workspace rows, got 65 \(a get_prefill_chunk_plan chunk is \(start, end, N, M\); this function takes M before N\)"),
     (dict(M=-1), ValueError, "M: expected an int >= 0"),
     (dict(window_size=0), ValueError, "window_size: expected an int >= 1"),
     (dict(seq_lens=np.array([8], I32)), ValueError, "seq_lens: expected at least 2 elements"),
