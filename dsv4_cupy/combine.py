@@ -17,7 +17,7 @@ from .kinds import INT32, INT32_MAX, Operand, probe_all
 from .launch import FrozenLaunch, Launch, optional
 from .params import I32, I64, PTR, QUERY_LAYOUT, Array, Group, Params, QueryLayout
 from .prepared import Checked, PreparedOp
-from .scalars import check_int
+from .scalars import check_int, check_window_start
 from .spec import MAX_BLOCK_SIZE, combined_width
 
 PARAMS = Params("CombineParams", [
@@ -231,11 +231,8 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1 if topk else 0,
                                maximum=MAX_BLOCK_SIZE)
     M = check_int("M", M, minimum=0, maximum=INT32_MAX)   # values are int32
-    N = check_int("N", N, minimum=0)
-    if N > M:
-        raise ValueError(f"N: expected at most M ({M}), a request's workspace rows, got {N} "
-                         f"(a get_prefill_chunk_plan chunk is (start, end, N, M); this "
-                         f"function takes M before N)")
+    N = check_window_start(N, M, "a get_prefill_chunk_plan chunk is (start, end, N, M); "
+                                 "this function takes M before N")
     max_image_tokens = checks.check_row_width("max_image_tokens", max_image_tokens)
     left, right = ops["left_visible"], ops["right_visible"]
     if topk_op is not None:

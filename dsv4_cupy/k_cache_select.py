@@ -18,7 +18,7 @@ from .kv_cache import check_pages
 from .launch import Launch
 from .params import I64, PTR, Params
 from .prepared import Checked, PreparedOp
-from .scalars import check_int
+from .scalars import check_int, check_window_start
 from .spec import HEAD_SIZE, SWA_BLOCK_SIZE, cdiv
 
 PARAMS = Params("SelectedGatherParams", [
@@ -194,7 +194,7 @@ def dequantize_and_gather_selected_kv(out, remapped_indices, combined_indices, c
     compress_ratio, compressed_block_size, swa_block_size = check_layer_caches(
         compress_ratio, compressed_block_size, swa_block_size)
     M = check_int("M", M, minimum=0, maximum=MAX_WORKSPACE_ROWS // max(num_reqs, 1))
-    N = check_int("N", N, minimum=0, maximum=M)
+    N = check_window_start(N, M)
     num_words = cdiv(num_reqs * M, WORD_ROWS)
     scratch_len = selected_gather_scratch_len(num_reqs, M, rows_out.shape[0])
     count = checks.output("num_selected", ops["num_selected"], kind, device, INT32, 1)

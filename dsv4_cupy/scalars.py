@@ -23,6 +23,16 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     return value
 
 
+def check_window_start(N, M: int, note: str = "") -> int:
+    """``N`` (a request's compressed rows, where its window rows start) as an
+    int in ``[0, M]``, ``M`` its workspace rows; ``note`` ends the message."""
+    N = check_int("N", N, minimum=0)
+    if N > M:
+        raise ValueError(f"N: expected at most M ({M}), a request's workspace rows, got {N}"
+                         + (f" ({note})" if note else ""))
+    return N
+
+
 def check_choice(name: str, value, choices: tuple):
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")

@@ -164,7 +164,9 @@ def test_bad_input_is_refused_before_any_write(kind):
             (dict(out=to_kind(np.zeros((64, HEAD), I32), kind)), "out: expected a bf16"),
             (dict(remapped_indices=to_kind(np.zeros((1, 16), I32), kind)), "remapped_indices"),
             (dict(combined_lens=to_kind(np.zeros(1, I32), kind)), "combined_lens"),
-            (dict(N=case["M"] + 1), "N"), (dict(M=2**31 // 2), "M"),
+            (dict(N=case["M"] + 1), rf"N: expected at most M \({case['M']}\), a request's "
+                                    rf"workspace rows, got {case['M'] + 1}$"),
+            (dict(M=2**31 // 2), "M"),
             (dict(scratch=small), "scratch"),
             *([(dict(scratch=to_kind(np.zeros(4096, I32), kind)[1:]), "aligned")]
               if kind in GPU_KINDS else []),
