@@ -18,8 +18,9 @@ _DTYPE_TEXT = {UINT16: "bfloat16 (or its uint16 bits)"}
 
 
 def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
-          min_cols: int | None = None) -> np.dtype:
-    """Check one probed array; returns its numpy dtype.
+          min_cols: int | None = None, min_len_of: str = "") -> np.dtype:
+    """Check one probed array; returns its numpy dtype. ``min_len_of`` says
+    what ``min_len`` counts (the arguments it comes from).
 
     1-D arrays must be contiguous; 2-D arrays need contiguous rows and may have
     any row stride (so slices of persistent buffers are taken as they are).
@@ -32,7 +33,8 @@ def check(op: Operand, dtypes: tuple, ndim: int, min_len: int | None = None,
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(shape)}")
     if min_len is not None and shape[0] < min_len:
         what = "elements" if ndim == 1 else "rows"
-        raise ValueError(f"{name}: expected at least {min_len} {what}, got shape "
+        of = f" ({min_len_of})" if min_len_of else ""
+        raise ValueError(f"{name}: expected at least {min_len} {what}{of}, got shape "
                          f"{tuple(shape)}")
     if min_cols is not None and shape[1] < min_cols:
         raise ValueError(f"{name}: expected at least {min_cols} columns, got shape "

@@ -77,11 +77,13 @@ def compute_prefill_gather_lens(query_start_loc, seq_lens, num_decodes: int, num
     num_prefills = check_int("num_prefills", num_prefills, minimum=0)
     window_size = checks.check_row_width("window_size", window_size, minimum=1)
     num_reqs = num_decodes + num_prefills
-    checks.check(qsl, (INT32,), 1, min_len=num_reqs + 1)
-    checks.check(seq, (INT32,), 1, min_len=num_reqs)
+    checks.check(qsl, (INT32,), 1, min_len=num_reqs + 1,
+                 min_len_of="num_decodes + num_prefills + 1")
+    checks.check(seq, (INT32,), 1, min_len=num_reqs, min_len_of="num_decodes + num_prefills")
     replay = ops["replay_start"]
     if replay is not None:
-        checks.check(replay, (INT32,), 1, min_len=num_reqs)
+        checks.check(replay, (INT32,), 1, min_len=num_reqs,
+                     min_len_of="num_decodes + num_prefills")
     lens = checks.output("out", ops["out"], kind, device, INT32, num_prefills)
     checks.check_no_alias([lens], [op for op in (qsl, seq, replay) if op is not None])
     if validation.check_mode(validate):

@@ -162,8 +162,12 @@ def test_full_validation():
     d4.compute_swa_indices_and_lens(**swa_args(validate="full"))
     with pytest.raises(ValueError, match="num_decodes: expected an int >= 0"):
         d4.compute_prefill_gather_lens(np.array([0, 1], I32), np.array([3], I32), -1, 1)
-    with pytest.raises(ValueError, match="query_start_loc: expected at least 3 elements"):
+    with pytest.raises(ValueError, match=r"query_start_loc: expected at least 3 elements "
+                                         r"\(num_decodes \+ num_prefills \+ 1\), got shape"):
         d4.compute_prefill_gather_lens(np.array([0, 1], I32), np.array([3, 4], I32), 1, 1)
+    with pytest.raises(ValueError, match=r"seq_lens: expected at least 2 elements "
+                                         r"\(num_decodes \+ num_prefills\), got shape"):
+        d4.compute_prefill_gather_lens(np.array([0, 1, 2], I32), np.array([3], I32), 1, 1)
 
 
 # --- vLLM 0.34's windows: images, replay start, DSpark --------------------------------------
