@@ -98,7 +98,12 @@ def get_prefill_chunk_plan(seq_lens, query_lens, compress_ratio: int, chunk_size
                              f"got {compress_ratio}")
     compresses = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
     ratio = compress_ratio if compresses else 0
-    plan = _chunk_plan(np.array(seq, np.int64), np.array(queries, np.int64), ratio, window_size,
+    seq, queries = np.array(seq, np.int64), np.array(queries, np.int64)
+    if (seq < queries).any():
+        i = int(np.flatnonzero(seq < queries)[0])
+        raise ValueError(f"seq_lens: expected seq_len >= query_len (the context includes the "
+                         f"query), got seq_len {seq[i]} < query_len {queries[i]} for prefill {i}")
+    plan = _chunk_plan(seq, queries, ratio, window_size,
                        chunk_budget(ratio, chunk_size, window_size, max_model_len,
                                     max_num_batched_tokens))
     return list(map(tuple, plan.tolist()))

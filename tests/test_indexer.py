@@ -318,6 +318,9 @@ def test_chunk_plan_bad_input():
         (np.array([10, -1]), np.array([1, 1]), ValueError,
          "seq_lens: expected lengths >= 0, got -1 at index 1"),
         ("10", [1], TypeError, "seq_lens: expected a list or a host array"),
+        ([10, 3], [1, 300], ValueError, r"seq_lens: expected seq_len >= query_len \(the context "
+                                        r"includes the query\), got seq_len 3 < query_len 300 "
+                                        r"for prefill 1"),
     ]:
         with pytest.raises(error, match=match):
             d4.get_prefill_chunk_plan(seq, queries, 4, 4, 64, 1024, 128)
