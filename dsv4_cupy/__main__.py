@@ -32,7 +32,7 @@ def _info(args) -> int:
     except ImportError:
         print("cupy not installed: CPU path only")
     except Dsv4Error as error:
-        print(f"{type(error).__name__}: {error}")
+        print(f"gpu: none usable, CPU path only ({type(error).__name__}: {error})")
     print(f"kernels: {loader.kernel_dir()} ({', '.join(loader.kernel_files())})")
     return 0
 
