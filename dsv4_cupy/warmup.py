@@ -14,8 +14,9 @@ def warmup(*, gpu: bool | None = None, cpu: bool | None = None,
     point for the current device; ``cpu`` (default: when no GPU is usable)
     compiles the numba CPU kernels for every signature the API accepts. The
     host planners' numba functions (a step with prefills, on either path)
-    are always compiled. The first warm-up of a machine compiles (about
-    20 s); later ones read CuPy's and numba's disk caches. ``progress``
+    are always compiled. The first warm-up of a machine compiles (tens of
+    seconds: about 40 s for the CPU kernels on 2 cores); later ones read
+    CuPy's and numba's disk caches. ``progress``
     (default: when stderr is a terminal) counts the kernels on stderr as
     they are prepared. Returns what was prepared: ``{"gpu": [...], "cpu":
     [...], "host": [...]}``.
