@@ -19,7 +19,8 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
     Parameters
     ----------
     compress_ratio : int
-        1 (SWA-only), 4 (C4A) or 128 (C128A).
+        1 (SWA-only), 2 (C2A, DeepSeek-V4.1), 4 (C4A) or 128 (C128A): vLLM
+        0.34's layer types (others are refused, as there).
     max_model_len, max_num_batched_tokens : int
         Size the persistent buffers, allocated once here so every step sees the
         same addresses and row strides (CUDA-graph safe).

@@ -24,7 +24,7 @@ from .launch import Launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .scalars import check_choice, check_int
 from .slot_mapping import slot_geometry, slot_mapping_launch
-from .spec import (C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
+from .spec import (C128A_RATIO, GROUP_RATIOS, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
                    DeepseekV4FlashMLABackend, active_width, c128a_capacity)
 from .split import host_prefilling, split_host
 from .token_map import token_map_launch
@@ -76,8 +76,8 @@ class KVCacheGroup:
                  cp_kv_cache_interleave_size: int = 1, like="numpy", device: int | None = None,
                  validate: str = "default", num_cache_blocks: int | None = None,
                  decode_threshold: int | None = None, padding_rows: str = "minus_one"):
-        self.compress_ratio = check_int("compress_ratio", compress_ratio, minimum=1,
-                                        maximum=MAX_BLOCK_SIZE)
+        self.compress_ratio = check_choice("compress_ratio", check_int(
+            "compress_ratio", compress_ratio), GROUP_RATIOS)
         self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens",
                                                 max_num_batched_tokens, minimum=1)

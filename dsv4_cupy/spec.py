@@ -47,6 +47,9 @@ C4A_BLOCK_SIZE = KV_BLOCK_SIZE // C4A_RATIO
 #: Compress ratio of the C128A layers, and their compressed rows per cache block.
 C128A_RATIO = 128
 C128A_BLOCK_SIZE = KV_BLOCK_SIZE // C128A_RATIO
+#: The compress ratios of vLLM 0.34's DeepSeek-V4 layer types: SWA-only, C2A
+#: (V4.1), C4A, C128A (any other it refuses).
+GROUP_RATIOS = (1, 2, C4A_RATIO, C128A_RATIO)
 #: vLLM's ``PREFILL_CHUNK_SIZE``: requests' worth of gathered workspace per prefill chunk.
 PREFILL_CHUNK_SIZE = 4
 #: The indexer's top-k (``hf_config.index_topk``): V4-Flash, V4-Pro.

@@ -240,6 +240,11 @@ def test_builder_arguments():
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, like="jax")
     with pytest.raises(ValueError, match="block_size: expected a multiple of compress_ratio"):
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64, block_size=64)
+    with pytest.raises(ValueError, match=r"compress_ratio: expected one of \(1, 2, 4, 128\), "
+                                         r"got 64"):
+        d4.DeepseekV4MetadataBuilder(64, 1 << 16, 64)
+    assert d4.DeepseekV4MetadataBuilder(2, 1 << 16, 64).build(
+        0, common_metadata(make_batch([1, 3], [40, 0], ratio=2), "numpy")).slot_mapping.shape == (4,)
     with pytest.raises(TypeError, match="common_attn_metadata: expected a CommonAttentionMetadata"):
         d4.DeepseekV4MetadataBuilder(128, 1 << 16, 64).build(0, {"num_reqs": 1})
     with pytest.raises(TypeError, match="DeepseekV4MetadataBuilder: got an unexpected keyword "
