@@ -119,3 +119,51 @@ def test_builder_torch_cpu_results_are_torch():
     assert md.c128a_prefill_topk_indices.data_ptr() == builder.c128a_prefill_buffer.data_ptr()
     exported = md.to_torch()
     assert exported.req_id_per_token.data_ptr() == md.req_id_per_token.data_ptr()
+
+
+def test_a_prepared_group_build_returns_its_kept_metadata_on_the_cpu(monkeypatch):
+    """The GPU path's host side, run on the CPU: torch CPU tensors counted as
+    a GPU kind, launches packed without a device and run as a count. A
+    repeated step takes the prepared launch and returns the kept metadata
+    holding this step's arrays and maxima; a view the caller changed in place
+    sends the step back to the checks, which keep a new object."""
+    torch = pytest.importorskip("torch")
+    from dsv4_cupy import builder as builder_module, group, launch, prepared
+    gpu_kinds = (*d4.kinds.GPU_KINDS, d4.kinds.TORCH_CPU)
+    for module in (builder_module, group):
+        monkeypatch.setattr(module, "GPU_KINDS", gpu_kinds)
+    monkeypatch.setattr(d4.DeepseekV4FlashMLABackend, "check_device",
+                        classmethod(lambda cls: None))
+    runs = []
+
+    def prepare(self, device):              # the struct packed, no device
+        ready = object.__new__(launch.PreparedLaunch)
+        ready.storage = np.zeros(self.layout.size, np.uint8)
+        self.layout.pack_values_into(ready.storage, self.values())
+        ready.blocks = self.blocks
+        return ready
+
+    monkeypatch.setattr(launch.Launch, "prepare", prepare)
+    monkeypatch.setattr(launch.PreparedLaunch, "run",
+                        lambda self, stream: runs.append(self) or True)
+    monkeypatch.setattr(prepared, "stream_getter", lambda kind, device: lambda: 0)
+    builder = make_builder("torch_cpu", 128, 1 << 20, spec=1)
+    assert builder._prepared is not None
+    batch = make_batch([2, 1, 2], [900, 40_000, 7], threshold=2, pad_tokens=1)
+    cm = common_metadata(batch, "torch_cpu")
+    first = builder.build(0, cm)
+    checked = builder._build_checked
+    monkeypatch.setattr(builder, "_build_checked",
+                        lambda cm: pytest.fail("a repeated step took the checked path"))
+    for max_seq_len in (50_000, 60_000):
+        cm.max_seq_len, cm.block_table_tensor = max_seq_len, cm.block_table_tensor[:]
+        got = builder.build(0, cm)
+        assert got is first and got.max_seq_len == max_seq_len
+        assert got.block_table is cm.block_table_tensor
+    assert len(runs) == 3 and runs[1] is runs[0] and runs[2] is runs[0]
+    monkeypatch.setattr(builder, "_build_checked", checked)
+    first.c128a_global_decode_topk_indices.unsqueeze_(0)
+    again = builder.build(0, cm)
+    assert again is not first and again.c128a_global_decode_topk_indices.dim() == 3
+    assert builder.build(0, cm) is again and len(runs) == 5
+    assert torch.equal(again.query_start_loc, cm.query_start_loc)
