@@ -437,6 +437,35 @@ def poison_unseen(builder):
         buffer[...] = value
 
 
+def emulate_gpu_host(monkeypatch) -> list:
+    """The builders' GPU path run on the CPU for its host side: torch CPU
+    tensors counted as a GPU kind (132 SMs), launches packed without a
+    device and run as a count. Returns the list each run appends its
+    prepared launch to."""
+    from dsv4_cupy import builder, checks, device, group, launch, prepared, step_builder
+    gpu_kinds = (*d4.kinds.GPU_KINDS, d4.kinds.TORCH_CPU)
+    for module in (builder, checks, group, prepared, step_builder):
+        monkeypatch.setattr(module, "GPU_KINDS", gpu_kinds)
+    monkeypatch.setattr(d4.DeepseekV4FlashMLABackend, "check_device",
+                        classmethod(lambda cls: None))
+    for ordinal in (None, -1, 0):
+        monkeypatch.setitem(device._SM_COUNT, ordinal, 132)
+    runs = []
+
+    def prepare(self, device):              # the struct packed, no device
+        ready = object.__new__(launch.PreparedLaunch)
+        ready.storage = np.zeros(self.layout.size, np.uint8)
+        self.layout.pack_values_into(ready.storage, self.values())
+        ready.blocks = self.blocks
+        return ready
+
+    monkeypatch.setattr(launch.Launch, "prepare", prepare)
+    monkeypatch.setattr(launch.PreparedLaunch, "run",
+                        lambda self, stream: runs.append(self) or True)
+    monkeypatch.setattr(prepared, "stream_getter", lambda kind, device: lambda: 0)
+    return runs
+
+
 def random_swa_case(rng):
     """(window, qsl, seq_lens, token_to_req, is_valid, table, block_size, token_offset,
     num_rows): decodes then prefills, zero-length requests, padding tokens."""

@@ -9,8 +9,8 @@ import dsv4_cupy as d4
 
 import reference as ref
 from conftest import HOST_KINDS, KINDS, to_numpy
-from helpers import (MAX_TOKENS, POISON, common_metadata, make_batch, make_builder, poison,
-                     random_batch)
+from helpers import (MAX_TOKENS, POISON, common_metadata, emulate_gpu_host, make_batch,
+                     make_builder, poison, random_batch)
 
 
 def check_build(builder, batch, kind):
@@ -128,25 +128,7 @@ def test_a_prepared_group_build_returns_its_kept_metadata_on_the_cpu(monkeypatch
     holding this step's arrays and maxima; a view the caller changed in place
     sends the step back to the checks, which keep a new object."""
     torch = pytest.importorskip("torch")
-    from dsv4_cupy import builder as builder_module, group, launch, prepared
-    gpu_kinds = (*d4.kinds.GPU_KINDS, d4.kinds.TORCH_CPU)
-    for module in (builder_module, group):
-        monkeypatch.setattr(module, "GPU_KINDS", gpu_kinds)
-    monkeypatch.setattr(d4.DeepseekV4FlashMLABackend, "check_device",
-                        classmethod(lambda cls: None))
-    runs = []
-
-    def prepare(self, device):              # the struct packed, no device
-        ready = object.__new__(launch.PreparedLaunch)
-        ready.storage = np.zeros(self.layout.size, np.uint8)
-        self.layout.pack_values_into(ready.storage, self.values())
-        ready.blocks = self.blocks
-        return ready
-
-    monkeypatch.setattr(launch.Launch, "prepare", prepare)
-    monkeypatch.setattr(launch.PreparedLaunch, "run",
-                        lambda self, stream: runs.append(self) or True)
-    monkeypatch.setattr(prepared, "stream_getter", lambda kind, device: lambda: 0)
+    runs = emulate_gpu_host(monkeypatch)
     builder = make_builder("torch_cpu", 128, 1 << 20, spec=1)
     assert builder._prepared is not None
     batch = make_batch([2, 1, 2], [900, 40_000, 7], threshold=2, pad_tokens=1)

@@ -13,7 +13,7 @@ import dsv4_cupy as d4
 from dsv4_cupy.launch import PreparedLaunch
 
 from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
-from helpers import make_step, poison_unseen
+from helpers import emulate_gpu_host, make_step, poison_unseen
 
 I32, I64 = np.int32, np.int64
 MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
@@ -748,3 +748,27 @@ def test_vllm_034s_upper_bound_and_decode_threshold(kind):
     three = make_step(rng, 2, [3, 3], kind=kind)                # 3-token rows: decodes at 3
     assert wide.build(0, three).num_prefills == 0
     assert wide.c128a_group.decode_threshold == 3
+
+
+def test_a_repeated_decode_step_returns_its_kept_metadata_on_the_cpu(monkeypatch):
+    """The GPU path's host side on the CPU (``emulate_gpu_host``): a decode
+    step laid out as the last one takes its prepared launch and returns the
+    same metadata, holding this step's maxima and the C128A group's arrays."""
+    pytest.importorskip("torch")
+    runs = emulate_gpu_host(monkeypatch)
+    rng = np.random.default_rng(3)
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
+                                               num_speculative_tokens=SPEC, like="torch")
+    cms = make_step(rng, 8, [], 2, False, "torch_cpu", decode_len=2)
+    first = builder.build(0, cms)
+    monkeypatch.setattr(builder, "_build_checked",
+                        lambda *args: pytest.fail("a repeated step took the checked path"))
+    c128a = cms["c128a"]
+    for step in range(2):
+        c128a.max_seq_len -= 1                      # the same width
+        c128a.block_table_tensor = c128a.block_table_tensor[:]
+        got = builder.build(0, cms)
+        assert got is first and got.max_seq_len == got.c128a.max_seq_len == c128a.max_seq_len
+        assert got.c128a.block_table is c128a.block_table_tensor
+        assert got.c128a.query_start_loc is c128a.query_start_loc
+    assert len(runs) == 3 and runs[1] is runs[0] is runs[2]
