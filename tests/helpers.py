@@ -437,6 +437,16 @@ def poison_unseen(builder):
         buffer[...] = value
 
 
+def prepare_without_device(launch, device):
+    """``Launch.prepare`` for the CPU: the launch's struct packed, its blocks."""
+    from dsv4_cupy.launch import PreparedLaunch
+    ready = object.__new__(PreparedLaunch)
+    ready.storage = np.zeros(launch.layout.size, np.uint8)
+    launch.layout.pack_values_into(ready.storage, launch.values())
+    ready.blocks = launch.blocks
+    return ready
+
+
 def emulate_gpu_host(monkeypatch) -> list:
     """The builders' GPU path run on the CPU for its host side: torch CPU
     tensors counted as a GPU kind (132 SMs), launches packed without a
@@ -451,15 +461,7 @@ def emulate_gpu_host(monkeypatch) -> list:
     for ordinal in (None, -1, 0):
         monkeypatch.setitem(device._SM_COUNT, ordinal, 132)
     runs = []
-
-    def prepare(self, device):              # the struct packed, no device
-        ready = object.__new__(launch.PreparedLaunch)
-        ready.storage = np.zeros(self.layout.size, np.uint8)
-        self.layout.pack_values_into(ready.storage, self.values())
-        ready.blocks = self.blocks
-        return ready
-
-    monkeypatch.setattr(launch.Launch, "prepare", prepare)
+    monkeypatch.setattr(launch.Launch, "prepare", prepare_without_device)
     monkeypatch.setattr(launch.PreparedLaunch, "run",
                         lambda self, stream: runs.append(self) or True)
     monkeypatch.setattr(prepared, "stream_getter", lambda kind, device: lambda: 0)

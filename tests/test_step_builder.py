@@ -13,7 +13,7 @@ import dsv4_cupy as d4
 from dsv4_cupy.launch import PreparedLaunch
 
 from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
-from helpers import emulate_gpu_host, make_step, poison_unseen
+from helpers import emulate_gpu_host, make_step, poison_unseen, prepare_without_device
 
 I32, I64 = np.int32, np.int64
 MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
@@ -656,14 +656,7 @@ def test_a_layouts_prepared_steps_pack_what_a_fresh_description_packs(combined, 
     launch carries) under one layout, past the caches' size."""
     from dsv4_cupy.step_plan import MAX_LAYOUT_SECTIONS
 
-    def prepare(launch, device):                # the launch's storage, no device
-        prepared = object.__new__(PreparedLaunch)
-        prepared.storage = np.zeros(launch.layout.size, np.uint8)
-        launch.layout.pack_values_into(prepared.storage, launch.values())
-        prepared.blocks = launch.blocks
-        return prepared
-
-    monkeypatch.setattr(d4.launch.Launch, "prepare", prepare)
+    monkeypatch.setattr(d4.launch.Launch, "prepare", prepare_without_device)
     rng = np.random.default_rng(31)
     requests, tokens = 700, 2600
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, tokens + 7,
