@@ -19,7 +19,7 @@ from .c128a import PADDING_ROWS, VALIDITY_FROM_SLOTS, C128ARows, c128a_launch
 from .dcp import check_cp
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .kinds import (GPU_KINDS, HOST_KINDS, INT32, INT64, Operand, describe, device_of,
-                    full_like_kind, kind_of, probe, probe_all)
+                    full_block_like_kind, kind_of, probe, probe_all)
 from .launch import Launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
 from .scalars import check_choice, check_int
@@ -30,6 +30,9 @@ from .split import host_prefilling, split_host
 from .token_map import token_map_launch
 
 WIDTH_POLICIES = ("capacity", "active")
+#: A group's persistent buffers (the ratio's own: None for the others).
+GROUP_BUFFERS = ("req_id_per_token_buffer", "compressed_slot_mapping_buffer",
+                 "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer")
 #: Result views a group keeps: five per step shape (``result_views``).
 MAX_CACHED_VIEWS = 2048
 
@@ -108,28 +111,24 @@ class KVCacheGroup:
 
         if device is not None:
             device = check_int("device", device, minimum=-1)
-        n = self.max_num_batched_tokens
-        self.req_id_per_token_buffer = full_like_kind(like, (n,), INT32, 0, device)
+        n, rows = self.max_num_batched_tokens, (self.max_num_batched_tokens, self.capacity)
+        specs = {"req_id_per_token_buffer": ((n,), INT32, 0)}
+        if self.compress_ratio > 1:
+            specs["compressed_slot_mapping_buffer"] = ((n,), INT64, -1)
+        if self.has_c128a_rows:
+            specs.update(c128a_global_decode_buffer=(rows, INT32, -1),
+                         c128a_decode_lens_buffer=((n,), INT32, 0),
+                         c128a_prefill_buffer=(rows, INT32, -1))
+        made = full_block_like_kind(like, specs, device)
+        for name in GROUP_BUFFERS:
+            setattr(self, name, made.get(name))
         self.kind = kind_of(self.req_id_per_token_buffer)
         self.device = device_of(self.req_id_per_token_buffer, self.kind)
-        self.compressed_slot_mapping_buffer = None
-        self.c128a_global_decode_buffer = self.c128a_decode_lens_buffer = None
-        self.c128a_prefill_buffer = None
-        if self.compress_ratio > 1:
-            self.compressed_slot_mapping_buffer = full_like_kind(like, (n,), INT64, -1,
-                                                                 self.device)
-        if self.has_c128a_rows:
-            rows = (n, self.capacity)
-            self.c128a_global_decode_buffer = full_like_kind(like, rows, INT32, -1, self.device)
-            self.c128a_decode_lens_buffer = full_like_kind(like, (n,), INT32, 0, self.device)
-            self.c128a_prefill_buffer = full_like_kind(like, rows, INT32, -1, self.device)
         if self.kind in GPU_KINDS:
             DeepseekV4FlashMLABackend.check_device()
         self._views = keys.ViewCache(MAX_CACHED_VIEWS)
         # The buffers never move, so they are probed once.
-        self._buffers = {name: probe(name, getattr(self, name)) for name in (
-            "req_id_per_token_buffer", "compressed_slot_mapping_buffer",
-            "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer")}
+        self._buffers = {name: probe(name, getattr(self, name)) for name in GROUP_BUFFERS}
         self.owned = checks.OwnedBuffers(list(self._buffers.values()))
         self._geometry = slot_geometry(max(self.storage_block_size, 1), self.compress_ratio,
                                        self.cp)
@@ -349,9 +348,10 @@ class KVCacheGroup:
         """The group's persistent buffers by name (None: not one of this ratio's)."""
         return {name: op.array for name, op in self._buffers.items() if op is not None}
 
-    def new_buffer(self, shape: tuple, dtype, value: int):
-        """A persistent buffer of the group's kind and device, filled with ``value``."""
-        return full_like_kind(self.req_id_per_token_buffer, shape, dtype, value, self.device)
+    def new_buffers(self, specs: dict) -> dict:
+        """Persistent buffers ``{name: (shape, dtype, value)}`` of the group's kind
+        and device, filled with their values (one block: ``full_block_like_kind``)."""
+        return full_block_like_kind(self.req_id_per_token_buffer, specs, self.device)
 
     def step_variant(self, step: StepArrays) -> dict:
         """The step kernel's entry point for a step's positions and slot mapping."""

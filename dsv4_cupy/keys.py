@@ -43,29 +43,31 @@ def _torch_version(x) -> int:
 
 
 def owned_state_reader(x) -> tuple:
-    """``(watched, read)`` for a view of a buffer that only this library's
-    kernels write: ``read(watched)`` changes when the caller changes the view
-    in place. For torch that is the version counter of the view's base, which
-    all views of one buffer share and every in-place torch op on any of them
-    bumps (``resize_``, ``t_``, ``as_strided_``, ``set_``, a write; not the
-    kernels' writes, nor assigning ``.data``): one read covers every view of a
-    buffer. Inference tensors have no version counter: their views are
+    """``(identity, watched, read)`` for a view of a buffer that only this
+    library's kernels write: ``read(watched)`` changes when the caller changes
+    the view in place, and views of one ``identity`` share that state. For
+    torch that is the version counter, which all views of one allocation
+    share (a buffer's, or a block's of buffers: ``kinds.full_block_like_kind``)
+    and every in-place torch op on any of them bumps (``resize_``, ``t_``,
+    ``as_strided_``, ``set_``, a write; not the kernels' writes, nor assigning
+    ``.data``): one read covers every view of a block, whose identity is its
+    storage. Inference tensors have no version counter: their views are
     watched by ``view_state``, as are other kinds'."""
     if family_of(x) is TORCH_FAMILY and not x.is_inference():
-        base = x._base
-        return (x if base is None else base), _torch_version
-    return x, state_reader(x)
+        return ("storage", x.untyped_storage().data_ptr()), x, _torch_version
+    return ("view", id(x)), x, state_reader(x)
 
 
 def watch(views=(), owned=()) -> tuple:
     """``(target, read, state)`` per watched array: ``views`` (any arrays, by
     ``state_reader``) and ``owned`` (views of the library's buffers, by
-    ``owned_state_reader``: one read per torch buffer); None skipped."""
-    watched = {id(view): (view, state_reader(view)) for view in views if view is not None}
+    ``owned_state_reader``: one read per torch allocation); None skipped."""
+    watched = {("view", id(view)): (view, state_reader(view)) for view in views
+               if view is not None}
     for view in owned:
         if view is not None:
-            target, read = owned_state_reader(view)
-            watched[id(target)] = (target, read)
+            identity, target, read = owned_state_reader(view)
+            watched[identity] = (target, read)
     return tuple((target, read, read(target)) for target, read in watched.values())
 
 
@@ -109,7 +111,7 @@ class ViewCache:
             view = buffer[start:stop] if cols is None else buffer[start:stop, :cols]
         if len(self._views) >= self.capacity:
             self._views.clear()
-        watched, read = owned_state_reader(view)
+        _, watched, read = owned_state_reader(view)
         self._views[key] = (view, watched, read, read(watched))
         return view
 

@@ -216,6 +216,44 @@ def full_like_kind(like, shape: tuple, dtype, value: int, device: int | None = N
     """A ``value``-filled array of the kind ``like`` names: "numpy", "cupy",
     "torch" (CUDA when available, else CPU), or an array whose kind and device
     to follow. ``device`` None or -1 means the current one."""
+    kind, device = _kind_and_device(like, device)
+    return _filled(empty(kind, device, shape, dtype), kind, value)
+
+
+#: A block's buffers start at offsets that are multiples of this many bytes
+#: (any kernel's widest vector is 16), with at least this many unused bytes
+#: before and after each: the tests poison them, so that a write past a
+#: buffer's end shows.
+BLOCK_ALIGNMENT = 256
+
+
+def full_block_like_kind(like, buffers: dict, device: int | None = None) -> dict:
+    """Buffers ``{name: (shape, dtype, value)}`` as ``value``-filled views of
+    one allocation of the kind ``like`` names (as ``full_like_kind``), apart
+    by ``BLOCK_ALIGNMENT``: torch's views of it share one version counter, so
+    a builder watches all its result views with one read
+    (``keys.owned_state_reader``)."""
+    kind, device = _kind_and_device(like, device)
+    places, end = {}, 0
+    for name, (shape, dtype, _) in buffers.items():
+        start = -(-(end + BLOCK_ALIGNMENT) // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT
+        end = start + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        places[name] = (start, end)
+    block = empty(kind, device, (end + BLOCK_ALIGNMENT,), UINT8)
+    out = {}
+    for name, (shape, dtype, value) in buffers.items():
+        start, stop = places[name]
+        piece = block[start:stop]
+        if kind in (TORCH_CPU, TORCH_CUDA):
+            view = piece.view(_to_torch_dtype(np.dtype(dtype))).view(shape)
+        else:
+            view = piece.view(dtype).reshape(shape)
+        out[name] = _filled(view, kind, value)
+    return out
+
+
+def _kind_and_device(like, device: int | None) -> tuple[str, int]:
+    """The kind and device ``full_like_kind`` allocates on (``device`` -1: host)."""
     kind = kind_of(like)
     if kind is not None:
         device = device_of(like, kind)
@@ -231,7 +269,10 @@ def full_like_kind(like, shape: tuple, dtype, value: int, device: int | None = N
             device = require_gpu().id
         elif kind == TORCH_CUDA:
             device = loaded_torch().cuda.current_device()
-    array = empty(kind, device, shape, dtype)
+    return kind, device
+
+
+def _filled(array, kind: str, value: int):
     if kind in (TORCH_CPU, TORCH_CUDA):
         array.fill_(value)
     else:

@@ -1,7 +1,6 @@
 """``DeepseekV4StepMetadataBuilder``: every KV-cache group's per-step metadata in one launch."""
 from __future__ import annotations
 
-
 from . import checks, keys
 from .combine import combined_width, prefill_combine_launches
 from .geometry import WARP_LANES
@@ -24,6 +23,21 @@ from .step_plan import (GROUPS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache, St
                         StepPlan, check_group_data, check_group_metadata, check_groups,
                         chunk_budgets, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
+
+#: The builder's buffers kept as tuples, by their fields' names (``name[field]``).
+BUFFER_TUPLES = {name: tuple(f"{name}[{field}]" for field in fields) for name, fields in {
+    "indexer_decode_buffers": ("context_lens", "req_ids", "decode_lens", "block_rows",
+                               "per_req_decode_lens"),
+    "indexer_prefill_buffers": ("cu_compressed", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"),
+    "c128a_combined_buffers": ("indices", "lens"),
+    "swa_combined_buffers": ("indices", "lens")}.items()}
+_TUPLE_FIELDS = {field for fields in BUFFER_TUPLES.values() for field in fields}
+
+
+def _fields(name: str, *specs) -> dict:
+    """The buffer specs of the tuple ``name``, by its fields' names."""
+    return dict(zip(BUFFER_TUPLES[name], specs, strict=True))
+
 
 class DeepseekV4StepMetadataBuilder:
     """Builds every KV-cache group's metadata of a DeepSeek-V4 step: on the GPU
@@ -134,32 +148,35 @@ class DeepseekV4StepMetadataBuilder:
                                if self.combined_prefill else None)
         n, W = self.max_num_batched_tokens, self.window_size
 
-        buffer = group.new_buffer
-        self.is_valid_token_buffer = buffer((n,), BOOL, 0)
-        self.swa_indices_buffer = buffer((n, 1, W), INT32, -1)
-        self.swa_lens_buffer = buffer((n,), INT32, 0)
-        self.prefill_gather_lens_buffer = buffer((n,), INT32, 0)
-        self.c4a_slot_mapping_buffer = buffer((n,), INT64, -1)
-        self.indexer_slot_mapping_buffer = buffer((n,), INT64, -1)
-        self.indexer_decode_buffers = (buffer((n,), INT32, 0), buffer((n,), INT32, 0),
-                                       buffer((n,), INT32, 0),
-                                       buffer((n, self.max_blocks), INT32, 0),
-                                       buffer((n,), INT32, 0))
+        specs = {"is_valid_token_buffer": ((n,), BOOL, 0),
+                 "swa_indices_buffer": ((n, 1, W), INT32, -1),
+                 "swa_lens_buffer": ((n,), INT32, 0),
+                 "prefill_gather_lens_buffer": ((n,), INT32, 0),
+                 "c4a_slot_mapping_buffer": ((n,), INT64, -1),
+                 "indexer_slot_mapping_buffer": ((n,), INT64, -1),
+                 "short_context_buffer": ((n, self.index_topk), INT32, -1),
+                 **_fields("indexer_decode_buffers", ((n,), INT32, 0), ((n,), INT32, 0),
+                           ((n,), INT32, 0), ((n, self.max_blocks), INT32, 0), ((n,), INT32, 0)),
+                 **_fields("indexer_prefill_buffers", ((n + 1,), INT32, 0),
+                           ((self.max_num_compressed,), INT32, -1), ((n,), INT32, 0),
+                           ((n,), INT32, 0))}
+        if self.combined_prefill:
+            specs.update(_fields("c128a_combined_buffers",
+                                 ((n, combined_width(group.capacity, W)), INT32, -1),
+                                 ((n,), INT32, 0)),
+                         **_fields("swa_combined_buffers", ((n, combined_width(0, W)), INT32, -1),
+                                   ((n,), INT32, 0)))
+        made = group.new_buffers(specs)
+        for name in specs.keys() - _TUPLE_FIELDS:
+            setattr(self, name, made[name])
+        for name, fields in BUFFER_TUPLES.items():
+            setattr(self, name, tuple(made[field] for field in fields) if fields[0] in made
+                    else None)
         self._indexer_decode = IndexerDecode(
             indexer_decode_layout,
             1 + check_int("num_speculative_tokens", num_speculative_tokens, minimum=0),
             self.indexer_decode_buffers, n)
         self.indexer_decode_layout = self._indexer_decode.layout
-        self.indexer_prefill_buffers = (buffer((n + 1,), INT32, 0),
-                                        buffer((self.max_num_compressed,), INT32, -1),
-                                        buffer((n,), INT32, 0), buffer((n,), INT32, 0))
-        self.c128a_combined_buffers = self.swa_combined_buffers = None
-        if self.combined_prefill:
-            self.c128a_combined_buffers = (
-                buffer((n, combined_width(group.capacity, W)), INT32, -1), buffer((n,), INT32, 0))
-            self.swa_combined_buffers = (buffer((n, combined_width(0, W)), INT32, -1),
-                                         buffer((n,), INT32, 0))
-        self.short_context_buffer = buffer((n, self.index_topk), INT32, -1)
         buffers = self.buffers()
         self._owned = checks.OwnedBuffers([probe(f"the builder's {name}", x)
                                            for name, x in buffers.items()])
@@ -185,16 +202,10 @@ class DeepseekV4StepMetadataBuilder:
                "c4a_slot_mapping_buffer": self.c4a_slot_mapping_buffer,
                "indexer_slot_mapping_buffer": self.indexer_slot_mapping_buffer,
                "short_context_buffer": self.short_context_buffer}
-        for group, names in (
-                ("indexer_decode_buffers", ("context_lens", "req_ids", "decode_lens", "block_rows",
-                                            "per_req_decode_lens")),
-                ("indexer_prefill_buffers", ("cu_compressed", "token_to_seq", "cu_seqlen_ks",
-                                             "cu_seqlen_ke")),
-                ("c128a_combined_buffers", ("indices", "lens")),
-                ("swa_combined_buffers", ("indices", "lens"))):
-            arrays_of_group = getattr(self, group)
-            if arrays_of_group is not None:
-                out.update((f"{group}[{name}]", x) for name, x in zip(names, arrays_of_group))
+        for name, fields in BUFFER_TUPLES.items():
+            arrays = getattr(self, name)
+            if arrays is not None:
+                out.update(zip(fields, arrays))
         for name, x in self.c128a_group.buffers().items():
             out[f"c128a_group.{name}"] = x
         return out

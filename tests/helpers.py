@@ -6,6 +6,7 @@ result region may be written, and a call without buffers must agree), and
 random cases of each op. Test modules import from here, never from each other."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -422,19 +423,91 @@ def poison(builder):
         buffer = getattr(builder, name)
         if buffer is not None:
             buffer[...] = POISON
+    poison_gaps(builder)
 
 
 def poison_unseen(builder):
     """Every buffer of a builder (``buffers()``) poisoned as the kernels write
     them: torch CUDA buffers through CuPy (DLPack), so torch sees no in-place
     change of the returned views (a prepared build hands out views that torch
-    did not change)."""
+    did not change). The gaps between them too (``poison_gaps``)."""
     for buffer in builder.buffers().values():
         value = True if str(buffer.dtype) in ("bool", "torch.bool") else POISON
         if type(buffer).__module__.startswith("torch") and buffer.is_cuda:
             import cupy
             buffer = cupy.from_dlpack(buffer)
         buffer[...] = value
+    poison_gaps(builder)
+
+
+#: The byte the gaps between a block's buffers hold (``poison_gaps``).
+GAP_POISON = 0xA5
+
+
+def poison_gaps(builder):
+    """The bytes between the buffers of the builder's blocks
+    (``kinds.full_block_like_kind``) set to ``GAP_POISON``, unseen by torch:
+    a kernel writing past a buffer's end changes them (``assert_gaps_kept``),
+    where the sanitizer, seeing one allocation, would not report it."""
+    for block, gaps in _block_gaps(builder):
+        for start, stop in gaps:
+            block[start:stop] = GAP_POISON
+
+
+def assert_gaps_kept(builder):
+    for block, gaps in _block_gaps(builder):
+        for start, stop in gaps:
+            assert (to_numpy(block[start:stop]) == GAP_POISON).all(), (
+                f"bytes [{start}, {stop}) between two buffers were written")
+
+
+def _block_gaps(builder) -> list:
+    """``(bytes, gaps)`` per block of the builder's buffers: the block as a
+    uint8 array that torch does not watch (numpy or cupy), and the byte ranges
+    in it that no buffer holds, before, between and after them."""
+    blocks = {}
+    for buffer in builder.buffers().values():
+        block, start = _block_of(buffer)
+        entry = blocks.setdefault(_address(block), (block, []))
+        entry[1].append((start, start + buffer.nbytes if hasattr(buffer, "nbytes")
+                         else start + buffer.numel() * buffer.element_size()))
+    out = []
+    for block, spans in blocks.values():
+        gaps, end = [], 0
+        for start, stop in sorted(spans):
+            if start > end:
+                gaps.append((end, start))
+            end = max(end, stop)
+        if end < block.shape[0]:
+            gaps.append((end, block.shape[0]))
+        out.append((block, gaps))
+    return out
+
+
+def _address(x) -> int:
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.data_ptr()
+    return x.data.ptr if module.startswith("cupy") else x.ctypes.data
+
+
+def _block_of(buffer) -> tuple:
+    """The uint8 allocation ``buffer`` is a view of, and its byte offset there."""
+    if type(buffer).__module__.startswith("torch"):
+        storage = buffer.untyped_storage()
+        if buffer.is_cuda:
+            import cupy
+            memory = cupy.cuda.UnownedMemory(storage.data_ptr(), storage.nbytes(), storage)
+            block = cupy.ndarray((storage.nbytes(),), cupy.uint8,
+                                 cupy.cuda.MemoryPointer(memory, 0))
+        else:
+            block = np.ctypeslib.as_array(
+                (ctypes.c_uint8 * storage.nbytes()).from_address(storage.data_ptr()))
+        return block, buffer.data_ptr() - storage.data_ptr()
+    block = buffer
+    while block.base is not None:
+        block = block.base
+    return block, _address(buffer) - _address(block)
 
 
 def prepare_without_device(launch, device):

@@ -9,8 +9,8 @@ import dsv4_cupy as d4
 
 import reference as ref
 from conftest import HOST_KINDS, KINDS, to_numpy
-from helpers import (MAX_TOKENS, POISON, common_metadata, emulate_gpu_host, make_batch,
-                     make_builder, poison, random_batch)
+from helpers import (MAX_TOKENS, POISON, assert_gaps_kept, common_metadata, emulate_gpu_host,
+                     make_batch, make_builder, poison, random_batch)
 
 
 def check_build(builder, batch, kind):
@@ -23,6 +23,7 @@ def check_build(builder, batch, kind):
                      batch.slot_mapping.tolist(), batch.positions.tolist(), batch.num_tokens,
                      batch.max_query_len, MAX_TOKENS)
     T = batch.num_tokens
+    assert_gaps_kept(builder)
     np.testing.assert_array_equal(to_numpy(md.req_id_per_token), want["req_id_per_token"])
     assert (to_numpy(builder.req_id_per_token_buffer)[T:] == POISON).all()
     if builder.compress_ratio > 1:

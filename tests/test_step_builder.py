@@ -13,7 +13,8 @@ import dsv4_cupy as d4
 from dsv4_cupy.launch import PreparedLaunch
 
 from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
-from helpers import emulate_gpu_host, make_step, poison_unseen, prepare_without_device
+from helpers import (assert_gaps_kept, emulate_gpu_host, make_step, poison_unseen,
+                     prepare_without_device)
 
 I32, I64 = np.int32, np.int64
 MAX_MODEL_LEN, MAX_TOKENS, W, SPEC = 8192, 1024, 128, 1
@@ -139,6 +140,7 @@ def checked_builds(builder, kind, rng, steps, monkeypatch):
         if kind in GPU_KINDS:
             assert len(launches) == 1
         assert_equal(got, composition(cms, builder))
+        assert_gaps_kept(builder)
         yield short, got
 
 

@@ -91,19 +91,25 @@ def test_a_builders_buffers_refuse_inputs_inside_them():
         OwnedBuffers([probe("a", whole[:40]), probe("b", whole[32:])])
 
 
-def test_views_of_one_torch_buffer_are_watched_by_one_read():
+def test_views_of_one_torch_block_are_watched_by_one_read():
+    """Every view of a block of buffers (kinds.full_block_like_kind) shares its
+    version counter: one read watches them all, and an in-place change of
+    any is seen; the kernels' writes are not."""
     torch = pytest.importorskip("torch")
-    from dsv4_cupy.keys import owned_state_reader
-    buffer = torch.zeros(8, 4, dtype=torch.int32)
-    first, second = buffer[:2], buffer[2:5, :3]
-    (watched, read), (other, _) = (owned_state_reader(first),
-                                   owned_state_reader(second))
-    assert watched is other is buffer
-    state = read(watched)
-    buffer.numpy()[...] = 7                 # written outside torch, as the kernels write
-    assert read(watched) == state
+    from dsv4_cupy.keys import owned_state_reader, unchanged, watch
+    from dsv4_cupy.kinds import full_block_like_kind
+    block = full_block_like_kind(torch.zeros(1, dtype=torch.int32), {
+        "a": ((8, 4), I32, 0), "b": ((5,), I64, -1), "c": ((3,), np.bool_, 0)})
+    first, second, third = block["a"][:2], block["a"][2:5, :3], block["c"][1:]
+    assert owned_state_reader(first)[0] == owned_state_reader(block["b"])[0]
+    watched_all = watch(owned=(first, second, block["b"], third))
+    assert len(watched_all) == 1
+    block["a"].numpy()[...] = 7             # written outside torch, as the kernels write
+    assert unchanged(watched_all)
     second.t_()                             # any in-place change through torch is seen
-    assert read(watched) != state
+    assert not unchanged(watched_all)
+    separate = watch(owned=(torch.zeros(3), torch.zeros(3)))
+    assert len(separate) == 2               # two allocations: two reads
 
 
 def test_a_launch_key_fixes_what_the_checks_read():
