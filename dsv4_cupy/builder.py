@@ -5,7 +5,7 @@ import inspect
 
 from .group import KVCacheGroup
 from .kinds import GPU_KINDS
-from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
+from .metadata import CommonAttentionMetadata, DeepseekV4Metadata, copied
 from .prepared import PreparedCall, PreparedCalls
 from .step_kernel import step_launch
 
@@ -152,8 +152,9 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         the decode/prefill split comes from ``query_start_loc_cpu``. Returns
         views of the persistent buffers. A step whose arrays have the layouts
         (addresses, shapes, strides, dtypes) and counts of an earlier step
-        reuses that step's checks and prepared launch, and returns the same
-        ``DeepseekV4Metadata`` object holding this step's arrays and maxima.
+        reuses that step's checks and prepared launch, and returns a shallow
+        copy of that step's ``DeepseekV4Metadata`` holding this step's arrays
+        and maxima (an object returned earlier is never changed).
         """
         cm = common_attn_metadata
         if self._prepared is not None and type(cm) is CommonAttentionMetadata:
@@ -176,8 +177,9 @@ class DeepseekV4MetadataBuilder(KVCacheGroup):
         kept = launches.get((split, self.width(max_seq_len), self.valid_tokens(cm, host_qsl)))
         if kept is None or not kept[0].run():
             return None
-        self.refresh(kept[1], cm)
-        return kept[1]
+        metadata = copied(kept[1])
+        self.refresh(metadata, cm)
+        return metadata
 
     def _build_checked(self, cm: CommonAttentionMetadata) -> DeepseekV4Metadata:
         step = self.check_step(cm)

@@ -174,6 +174,14 @@ def copied(metadata):
     return copy
 
 
+def copied_step(metadata):
+    """A shallow copy of a ``DeepseekV4StepMetadata`` whose C128A group
+    metadata is a copy too (a step's values are set on both)."""
+    copy = copied(metadata)
+    copy.c128a = copied(metadata.c128a)
+    return copy
+
+
 def exported_to_torch(metadata):
     """A metadata dataclass with every array field exported to torch through
     DLPack (zero-copy), nested metadata too; ints, lists and None stay."""

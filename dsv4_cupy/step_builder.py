@@ -8,7 +8,7 @@ from .group import MAX_CACHED_VIEWS, KVCacheGroup
 from .indexer_prefill import indexer_prefill_launch
 from .kinds import BOOL, GPU_KINDS, INT32, INT64, Operand, probe
 from .launch import Launch
-from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata, copied
+from .metadata import CommonAttentionMetadata, DeepseekV4StepMetadata, copied_step
 from .params import QueryLayout, SlotGeometry
 from .prefill_gather import gather_lens_launch
 from .prepared import PreparedCall, PreparedCalls
@@ -224,8 +224,9 @@ class DeepseekV4StepMetadataBuilder:
         the C128A width is the capacity and the short-context shortcut is not
         taken (vLLM #52492); use ``build_for_cudagraph_capture``. On the GPU,
         a decode step whose arrays have the layouts of an earlier one reuses
-        its checks and prepared launch, and returns the same
-        ``DeepseekV4StepMetadata`` object; a step with prefills reuses the
+        its checks and prepared launch, and returns a shallow copy of that
+        step's ``DeepseekV4StepMetadata`` (an object returned earlier is never
+        changed); a step with prefills reuses the
         checks, and the launch of an earlier step that made the same host
         decisions but its chunks' sizes and the indexer's rows (written in).
         """
@@ -237,9 +238,10 @@ class DeepseekV4StepMetadataBuilder:
                    if layout_key is not None else None)
             prepared = self._prepared.get(key) if key is not None else None
             if prepared is not None:
-                call, metadata = prepared
+                call, kept = prepared
                 if call.run():
                     cm = common_attn_metadata["c128a"]     # host ints outside the key
+                    metadata = copied_step(kept)
                     metadata.max_query_len, metadata.max_seq_len = cm.max_query_len, cm.max_seq_len
                     self.c128a_group.refresh(metadata.c128a, cm)
                     return metadata
@@ -518,8 +520,7 @@ class DeepseekV4StepMetadataBuilder:
                 made = self._views_of(plan)
                 entry = (made, keys.watch(owned=made.arrays()))
                 results.put(key, entry)
-            out = copied(entry[0])
-            out.c128a = copied(out.c128a)
+            out = copied_step(entry[0])
         self._step_values(plan, out)
         return out
 

@@ -125,9 +125,10 @@ def test_builder_torch_cpu_results_are_torch():
 def test_a_prepared_group_build_returns_its_kept_metadata_on_the_cpu(monkeypatch):
     """The GPU path's host side, run on the CPU: torch CPU tensors counted as
     a GPU kind, launches packed without a device and run as a count. A
-    repeated step takes the prepared launch and returns the kept metadata
-    holding this step's arrays and maxima; a view the caller changed in place
-    sends the step back to the checks, which keep a new object."""
+    repeated step takes the prepared launch and returns a copy of the kept
+    metadata holding this step's arrays and maxima, the object returned before
+    unchanged; a view the caller changed in place sends the step back to the
+    checks, which keep new views."""
     torch = pytest.importorskip("torch")
     runs = emulate_gpu_host(monkeypatch)
     builder = make_builder("torch_cpu", 128, 1 << 20, spec=1)
@@ -135,18 +136,23 @@ def test_a_prepared_group_build_returns_its_kept_metadata_on_the_cpu(monkeypatch
     batch = make_batch([2, 1, 2], [900, 40_000, 7], threshold=2, pad_tokens=1)
     cm = common_metadata(batch, "torch_cpu")
     first = builder.build(0, cm)
+    first_fields = dict(vars(first))
     checked = builder._build_checked
     monkeypatch.setattr(builder, "_build_checked",
                         lambda cm: pytest.fail("a repeated step took the checked path"))
     for max_seq_len in (50_000, 60_000):
         cm.max_seq_len, cm.block_table_tensor = max_seq_len, cm.block_table_tensor[:]
         got = builder.build(0, cm)
-        assert got is first and got.max_seq_len == max_seq_len
+        assert got is not first and got.max_seq_len == max_seq_len
         assert got.block_table is cm.block_table_tensor
+        assert got.req_id_per_token is first.req_id_per_token
+    assert vars(first) == first_fields
     assert len(runs) == 3 and runs[1] is runs[0] and runs[2] is runs[0]
     monkeypatch.setattr(builder, "_build_checked", checked)
     first.c128a_global_decode_topk_indices.unsqueeze_(0)
     again = builder.build(0, cm)
-    assert again is not first and again.c128a_global_decode_topk_indices.dim() == 3
-    assert builder.build(0, cm) is again and len(runs) == 5
+    assert again.c128a_global_decode_topk_indices.dim() == 3
+    assert again.c128a_global_decode_topk_indices is not first.c128a_global_decode_topk_indices
+    repeated = builder.build(0, cm)
+    assert repeated.req_id_per_token is again.req_id_per_token and len(runs) == 5
     assert torch.equal(again.query_start_loc, cm.query_start_loc)

@@ -9,7 +9,8 @@ import pytest
 import dsv4_cupy as d4
 
 from conftest import GPU_KINDS, to_kind, to_numpy
-from helpers import POISON, common_metadata, make_batch, make_builder, poison_unseen, random_batch
+from helpers import (POISON, assert_gaps_kept, common_metadata, make_batch, make_builder,
+                     poison_gaps, poison_unseen, random_batch)
 
 pytestmark = pytest.mark.gpu
 I32, I64 = np.int32, np.int64
@@ -115,9 +116,10 @@ def test_one_builder_over_many_steps_equals_the_cpu_builder(kind):
 
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_a_repeated_group_step_returns_its_kept_metadata(kind):
-    """A prepared build returns the object the first build returned, holding
-    this step's arrays, max_query_len and max_seq_len and the CPU builder's
-    rows; a view the caller changed in place gets a new object."""
+    """A prepared build returns a copy of the first build's metadata (that
+    one unchanged) holding this step's arrays, max_query_len and max_seq_len
+    and the CPU builder's rows, nothing written outside the group's buffers;
+    a view the caller changed in place gets new views."""
     rng = np.random.default_rng(12)
     gpu = make_builder(kind, 128, 1 << 20, spec=1)
     cpu = make_builder("numpy", 128, 1 << 20, spec=1)
@@ -125,13 +127,16 @@ def test_a_repeated_group_step_returns_its_kept_metadata(kind):
                        threshold=2)
     cm, host = common_metadata(batch, kind), common_metadata(batch, "numpy")
     first = gpu.build(0, cm)
+    first_fields = dict(vars(first))
     for max_query_len, max_seq_len in ((1, 70_000), (2, 90_000), (2, batch.max_seq_len)):
         poison_unseen(gpu)
+        poison_gaps(gpu)
         cm.block_table_tensor = cm.block_table_tensor[:]    # the same layout, a new object
         cm.max_query_len = host.max_query_len = max_query_len
         cm.max_seq_len = host.max_seq_len = max_seq_len
         got, want = gpu.build(0, cm), cpu.build(0, host)
-        assert got is first
+        assert_gaps_kept(gpu)
+        assert got is not first and got.req_id_per_token is first.req_id_per_token
         assert (got.max_query_len, got.max_seq_len) == (max_query_len, max_seq_len)
         assert got.query_start_loc is cm.query_start_loc
         assert got.block_table is cm.block_table_tensor
@@ -144,9 +149,11 @@ def test_a_repeated_group_step_returns_its_kept_metadata(kind):
         first.req_id_per_token.shape = (1, batch.num_tokens)
     else:
         first.req_id_per_token.unsqueeze_(0)
+    assert vars(first) == first_fields
     again = gpu.build(0, cm)
-    assert again is not first and again.req_id_per_token.shape == (batch.num_tokens,)
-    assert gpu.build(0, cm) is again
+    assert again.req_id_per_token.shape == (batch.num_tokens,)
+    assert again.req_id_per_token is not first.req_id_per_token
+    assert gpu.build(0, cm).req_id_per_token is again.req_id_per_token
 
 
 def _layer_calls(rng):

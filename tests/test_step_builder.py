@@ -747,15 +747,18 @@ def test_vllm_034s_upper_bound_and_decode_threshold(kind):
 
 def test_a_repeated_decode_step_returns_its_kept_metadata_on_the_cpu(monkeypatch):
     """The GPU path's host side on the CPU (``emulate_gpu_host``): a decode
-    step laid out as the last one takes its prepared launch and returns the
-    same metadata, holding this step's maxima and the C128A group's arrays."""
-    pytest.importorskip("torch")
+    step laid out as the last one takes its prepared launch and returns a copy
+    of the kept metadata, holding this step's maxima and the C128A group's
+    arrays; the object returned before is unchanged."""
+    torch = pytest.importorskip("torch")
     runs = emulate_gpu_host(monkeypatch)
     rng = np.random.default_rng(3)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
-                                               num_speculative_tokens=SPEC, like="torch")
+                                               num_speculative_tokens=SPEC,
+                                               like=torch.zeros(1, dtype=torch.int32))
     cms = make_step(rng, 8, [], 2, False, "torch_cpu", decode_len=2)
     first = builder.build(0, cms)
+    first_fields, first_c128a = dict(vars(first)), dict(vars(first.c128a))
     monkeypatch.setattr(builder, "_build_checked",
                         lambda *args: pytest.fail("a repeated step took the checked path"))
     c128a = cms["c128a"]
@@ -763,7 +766,10 @@ def test_a_repeated_decode_step_returns_its_kept_metadata_on_the_cpu(monkeypatch
         c128a.max_seq_len -= 1                      # the same width
         c128a.block_table_tensor = c128a.block_table_tensor[:]
         got = builder.build(0, cms)
-        assert got is first and got.max_seq_len == got.c128a.max_seq_len == c128a.max_seq_len
+        assert got is not first and got.c128a is not first.c128a
+        assert got.max_seq_len == got.c128a.max_seq_len == c128a.max_seq_len
         assert got.c128a.block_table is c128a.block_table_tensor
         assert got.c128a.query_start_loc is c128a.query_start_loc
+        assert got.swa_decode_indices is first.swa_decode_indices
+    assert vars(first) == first_fields and vars(first.c128a) == first_c128a
     assert len(runs) == 3 and runs[1] is runs[0] is runs[2]

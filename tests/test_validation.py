@@ -10,7 +10,7 @@ import pytest
 
 import dsv4_cupy as d4
 
-from helpers import POISON, common_metadata, make_batch, poison
+from helpers import POISON, assert_gaps_kept, common_metadata, make_batch, poison, poison_unseen
 
 I32, I64 = np.int32, np.int64
 
@@ -233,8 +233,13 @@ def test_full_validation_checks_the_steps_host_values(change, match):
     step = d4.DeepseekV4StepMetadataBuilder(1 << 16, 64, validate="full")
     cms = {name: dataclasses.replace(cm, seq_lens_cpu=cm.seq_lens) for name in
            ("swa", "c4a", "indexer", "c128a")}
+    poison_unseen(step)
+    before = {name: buffer.copy() for name, buffer in step.buffers().items()}
     with pytest.raises(ValueError, match=match):
         step.build(0, cms)
+    for name, buffer in step.buffers().items():
+        np.testing.assert_array_equal(buffer, before[name], err_msg=name)
+    assert_gaps_kept(step)
     cm.__dict__.update(common_metadata(make_batch([1, 30], [499, 0]), "numpy").__dict__)
     group.build(0, cm)                                   # the same step, true values: passes
 
