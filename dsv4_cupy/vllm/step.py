@@ -28,6 +28,7 @@ import inspect
 from vllm.v1.attention.backend import AttentionCGSupport
 
 import dsv4_cupy
+from dsv4_cupy import spec
 from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
 
 from .builders import Dsv4CupyFlashMLAMetadataBuilder, Dsv4CupySWAMetadataBuilder, say_once
@@ -39,6 +40,8 @@ RUNNER_MODULES = ("vllm.v1.worker.gpu.model_states.default",
                   "vllm.v1.worker.gpu.model_states.encoder_decoder")
 #: The step builder's groups, by the plugin builder that serves each.
 STEP_GROUPS = ("c128a", "c4a", "swa")
+#: The compressed groups among them, by their FlashMLA builder's compress ratio.
+STEP_GROUP_OF_RATIO = {spec.C128A_RATIO: "c128a", spec.C4A_RATIO: "c4a"}
 
 
 def step_groups(attn_groups, ubatch_idx: int) -> dict | None:
@@ -54,7 +57,9 @@ def step_groups(attn_groups, ubatch_idx: int) -> dict | None:
             if isinstance(builder, Dsv4CupyFlashMLAMetadataBuilder):
                 if builder._library is None:
                     return None
-                name = "c128a" if builder.compress_ratio == 128 else "c4a"
+                name = STEP_GROUP_OF_RATIO.get(builder.compress_ratio)
+                if name is None:
+                    return None                  # a ratio the step builder has no group for
             elif isinstance(builder, Dsv4CupySWAMetadataBuilder):
                 name = "swa"
             else:
