@@ -1,16 +1,19 @@
 """The fp8_ds_mla cache ops against Triton ports of vLLM 0.34's
 (``triton_ports``): the insert at 1, 64 and 8192 tokens; the gather of 8192
 rows (4 requests of 2048) as bandwidth against the copy ceiling (bytes read
-and written); a C4A layer's prefill workspace, both caches in one launch
-against two gathers. Every case's bytes are compared with the port's. The
-selective gather of one request's prefill chunk (512 tokens, top-k 512 and
-the window) at 64K, 256K and 1M tokens of context, random and clustered
-top-k rows, against the full gather of its workspace: bytes, time, and the
-rows compared through the indices."""
+and written), with programmatic dependent launch off and on (a graph replays
+20 calls back to back, so with it a call's launch overlaps the call before
+it, as it would a serving step's kernel before it); a C4A layer's prefill
+workspace, both caches in one launch against two gathers. Every case's bytes
+are compared with the port's. The selective gather of one request's prefill
+chunk (512 tokens, top-k 512 and the window) at 64K, 256K and 1M tokens of
+context, random and clustered top-k rows, against the full gather of its
+workspace: bytes, time, and the rows compared through the indices."""
 from __future__ import annotations
 
 import numpy as np
 
+from ..launch import set_programmatic_launch
 from ..spec import FP8_DS_MLA_BYTES_PER_TOKEN, HEAD_SIZE
 
 BLOCK, RATIO = 64, 4
@@ -172,9 +175,16 @@ def _row(op, case, ours, port, ours_out, port_out, moved_bytes, timer, ceilings,
     import torch
     row = {"op": f"kv_{op}", "case": case, "MB_moved": moved_bytes / 1e6}
     row["ours_graph_us"] = timer.graph_us(ours)
+    previous = set_programmatic_launch(True)
+    try:
+        row["ours_pdl_graph_us"] = timer.graph_us(ours)
+    finally:
+        set_programmatic_launch(previous)
     row["ours_host_us"] = timer.host_us(ours)
     row["ours_GBps"] = moved_bytes / row["ours_graph_us"] / 1e3
     row["copy_ceiling_pct"] = 100 * row["ours_GBps"] / ceilings["copy_GBps"]
+    row["pdl_copy_ceiling_pct"] = (100 * moved_bytes / row["ours_pdl_graph_us"] / 1e3
+                                   / ceilings["copy_GBps"])
     if ports is not None and port is not None:
         ours()
         port()
@@ -193,10 +203,12 @@ def print_cache_rows(rows: list[dict]) -> None:
         return
     print("\nfp8_ds_mla cache ops against Triton ports of vLLM 0.34's (CUDA-graph replay):")
     print(f"{'op':13} {'case':26} {'MB':>7} {'ours us':>8} {'GB/s':>6} {'%copy':>6} "
+          f"{'pdl us':>7} {'%copy':>6} "
           f"{'port us':>8} {'port/ours':>9} {'same':>5} {'ours host':>9}")
     for r in (r for r in rows if r["op"] != "kv_selected"):
         print(f"{r['op']:13} {r['case']:26} {r['MB_moved']:7.2f} {r['ours_graph_us']:8.2f} "
               f"{r['ours_GBps']:6.0f} {r['copy_ceiling_pct']:6.1f} "
+              f"{r['ours_pdl_graph_us']:7.2f} {r['pdl_copy_ceiling_pct']:6.1f} "
               f"{r.get('triton_graph_us', float('nan')):8.2f} "
               f"{r.get('x_triton', float('nan')):9.2f} {str(r.get('triton_same_bytes', '-')):>5} "
               f"{r['ours_host_us']:9.1f}")
