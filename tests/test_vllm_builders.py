@@ -508,6 +508,29 @@ def test_the_one_launch_step_equals_vllms_per_group_builds(config, monkeypatch, 
                 .c128a_prefill_buffer.data_ptr()
 
 
+@pytest.mark.parametrize("ratios", [(128, 4), (128, 2), (2, 4), (128, 4, 4)])
+def test_the_step_serves_one_c128a_one_c4a_and_one_swa_group(ratios):
+    """step_groups takes a step's groups only where one FlashMLA builder of
+    ratio 128, one of ratio 4 and one SWA builder serve them (a C2A group's
+    builder is not the C4A group's): else None, and the step is built per group."""
+    from dsv4_cupy.vllm.step import step_groups
+
+    def group(builder):
+        return types.SimpleNamespace(kernel_block_size=None,
+                                     get_metadata_builder=lambda ubatch_idx: builder)
+    flashmla = []
+    for ratio in ratios:
+        builder = object.__new__(Dsv4CupyFlashMLAMetadataBuilder)
+        builder._library, builder.compress_ratio = object(), ratio
+        flashmla.append(builder)
+    swa = object.__new__(Dsv4CupySWAMetadataBuilder)
+    found = step_groups([[group(builder)] for builder in (*flashmla, swa)], 0)
+    if ratios == (128, 4):
+        assert found == {"c128a": (0, flashmla[0]), "c4a": (1, flashmla[1]), "swa": (2, swa)}
+    else:
+        assert found is None
+
+
 def test_a_step_the_step_builder_refuses_builds_per_group(config, monkeypatch, caplog):
     """A C4A table wider than the step builder takes (cdiv(max_model_len, 256)
     columns): the step is built per group, as vLLM's builders build it."""
