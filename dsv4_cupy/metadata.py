@@ -170,7 +170,7 @@ class DeepseekV4StepMetadata:
 def copied(metadata):
     """A shallow copy of a metadata dataclass (its fields' objects shared)."""
     copy = object.__new__(type(metadata))
-    copy.__dict__.update(metadata.__dict__)
+    copy.__dict__ = metadata.__dict__.copy()     # a third of update()'s time
     return copy
 
 
@@ -178,7 +178,7 @@ def copied_step(metadata):
     """A shallow copy of a ``DeepseekV4StepMetadata`` whose C128A group
     metadata is a copy too (a step's values are set on both)."""
     copy = copied(metadata)
-    copy.c128a = copied(metadata.c128a)
+    copy.__dict__["c128a"] = copied(metadata.c128a)
     return copy
 
 
