@@ -5,7 +5,8 @@ replayed step after step with new values.
 kernel launch that writes every group's decode metadata (token map, SWA rows,
 C4A and indexer slot mappings, indexer decode metadata, C128A rows). A
 consumer kernel (here a sum of every row's lengths) is captured after it.
-Each step refreshes the captured input arrays in place, asks ``check_replay``
+Each step refreshes the captured input arrays in place on the graph's stream
+(a refresh on another stream races the replay), asks ``check_replay``
 whether the step fits, replays, and compares against an eager numpy build.
 GPU only: without a GPU it prints a message and exits 0.
 
@@ -75,27 +76,28 @@ def main():
                  + metadata.c128a.c128a_decode_topk_lens.sum(dtype=cupy.int64)
                  + metadata.indexer_context_lens.sum(dtype=cupy.int64))
         graph = stream.end_capture()
-    for seed in range(1, 21):
-        step = make_step(seed)
-        for group, cm in captured.items():                     # refresh in place
-            new = step[group]
-            cm.block_table_tensor[...] = cupy.asarray(new.block_table_tensor)
-            cm.slot_mapping[...] = cupy.asarray(new.slot_mapping)
-            cm.max_seq_len = new.max_seq_len
-        captured["c128a"].seq_lens[...] = cupy.asarray(step["c128a"].seq_lens)
-        captured["c128a"].positions[...] = cupy.asarray(step["c128a"].positions)
-        builder.check_replay(captured)
-        graph.launch(stream)
-        stream.synchronize()
-        want = reference.build(0, step, capturing=True)
-        for field in ("req_id_per_token", "swa_decode_indices", "c4a_slot_mapping",
-                      "indexer_slot_mapping", "indexer_block_rows"):
-            assert np.array_equal(getattr(metadata, field).get(), getattr(want, field)), field
-        assert np.array_equal(metadata.c128a.c128a_global_decode_topk_indices.get(),
-                              want.c128a.c128a_global_decode_topk_indices)
-        expected = (int(want.swa_decode_lens.sum()) + int(want.c128a.c128a_decode_topk_lens.sum())
-                    + int(want.indexer_context_lens.sum()))
-        assert int(total.get()) == expected
+    with stream:           # the refresh, the replay and the reads in one stream's order
+        for seed in range(1, 21):
+            step = make_step(seed)
+            for group, cm in captured.items():                     # refresh in place
+                new = step[group]
+                cm.block_table_tensor[...] = cupy.asarray(new.block_table_tensor)
+                cm.slot_mapping[...] = cupy.asarray(new.slot_mapping)
+                cm.max_seq_len = new.max_seq_len
+            captured["c128a"].seq_lens[...] = cupy.asarray(step["c128a"].seq_lens)
+            captured["c128a"].positions[...] = cupy.asarray(step["c128a"].positions)
+            builder.check_replay(captured)
+            graph.launch(stream)
+            stream.synchronize()
+            want = reference.build(0, step, capturing=True)
+            for field in ("req_id_per_token", "swa_decode_indices", "c4a_slot_mapping",
+                          "indexer_slot_mapping", "indexer_block_rows"):
+                assert np.array_equal(getattr(metadata, field).get(), getattr(want, field)), field
+            assert np.array_equal(metadata.c128a.c128a_global_decode_topk_indices.get(),
+                                  want.c128a.c128a_global_decode_topk_indices)
+            expected = (int(want.swa_decode_lens.sum()) + int(want.c128a.c128a_decode_topk_lens.sum())
+                        + int(want.indexer_context_lens.sum()))
+            assert int(total.get()) == expected
     print("20 replays of the whole-step build and its consumer equal eager numpy builds")
 
 

@@ -471,8 +471,9 @@ def test_a_sequence_past_max_model_len_is_capped_by_default():
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
     """The second build of a step with the same arrays (new values) skips the
-    checks and launches the prepared kernel; its outputs are still the ops'.
-    A returned view changed in place is never handed out again."""
+    checks and launches the prepared kernel into the same buffers, returning a
+    new metadata object; its outputs are still the ops'. A returned view
+    changed in place is never handed out again."""
     rng = np.random.default_rng(9)
     builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS,
                                                num_speculative_tokens=SPEC,
@@ -489,7 +490,7 @@ def test_a_repeated_decode_step_takes_the_prepared_launch(kind, monkeypatch):
     cms["c128a"].seq_lens[...] = to_kind(fresh["c128a"].seq_lens_cpu, kind)
     poison_unseen(builder)
     got = builder.build(0, cms)
-    assert got is first
+    assert got is not first and got.swa_decode_indices is first.swa_decode_indices
     assert_equal(got, composition(cms, builder))
     monkeypatch.setattr(builder, "_build_checked", checked)
     if kind == "cupy":
