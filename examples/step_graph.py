@@ -76,10 +76,9 @@ def main():
                  + metadata.c128a.c128a_decode_topk_lens.sum(dtype=cupy.int64)
                  + metadata.indexer_context_lens.sum(dtype=cupy.int64))
         graph = stream.end_capture()
-    with stream:           # the refresh, the replay and the reads in one stream's order
         for seed in range(1, 21):
             step = make_step(seed)
-            for group, cm in captured.items():                     # refresh in place
+            for group, cm in captured.items():     # refresh in place, on the graph's stream
                 new = step[group]
                 cm.block_table_tensor[...] = cupy.asarray(new.block_table_tensor)
                 cm.slot_mapping[...] = cupy.asarray(new.slot_mapping)
