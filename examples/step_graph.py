@@ -94,7 +94,8 @@ def main():
                 assert np.array_equal(getattr(metadata, field).get(), getattr(want, field)), field
             assert np.array_equal(metadata.c128a.c128a_global_decode_topk_indices.get(),
                                   want.c128a.c128a_global_decode_topk_indices)
-            expected = (int(want.swa_decode_lens.sum()) + int(want.c128a.c128a_decode_topk_lens.sum())
+            expected = (int(want.swa_decode_lens.sum())
+                        + int(want.c128a.c128a_decode_topk_lens.sum())
                         + int(want.indexer_context_lens.sum()))
             assert int(total.get()) == expected
     print("20 replays of the whole-step build and its consumer equal eager numpy builds")
