@@ -24,22 +24,42 @@ ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
 #: Threads of a warp (passed to kernels as DSV4_WARP_LANES): kernels with one warp per
 #: row give each row WARP_LANES threads.
 WARP_LANES = 32
-#: Columns a warp copies of a long row (passed to kernels as DSV4_WARP_PIECE): four
-#: 16-byte stores per lane, so a row of 4096 block ids (1M context) is copied by
-#: 8 warps at once instead of one warp waiting on 8 round trips.
+#: Columns a warp copies of a long row: at most four 16-byte stores per lane, so
+#: a row of 4096 block ids (1M context) is copied by 8 warps at once instead of
+#: one warp waiting on 8 round trips.
 WARP_PIECE = 512
+#: Narrower pieces for few rows: one or two stores per lane, each lane's copy one
+#: round trip (a lane's next load waits for its store before it: they may alias).
+#: Every piece is a power of two (the kernel shifts).
+NARROW_WARP_PIECES = (128, 256)
+#: Warps per SM up to which the indexer's decode rows take narrower pieces.
+NARROW_PIECE_WARPS_PER_SM = 8
 
 
-def warp_pieces(columns: int) -> int:
-    """Pieces of WARP_PIECE columns of a row (at least 1, which writes the row's scalars)."""
-    return max(cdiv(columns, WARP_PIECE), 1)
+def warp_pieces(columns: int, piece: int = WARP_PIECE) -> int:
+    """Pieces of ``piece`` columns of a row (at least 1, which writes the row's scalars)."""
+    return max(cdiv(columns, piece), 1)
 
 
-def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int, num_reqs: int) -> int:
-    """Blocks of the indexer's decode metadata: a warp per piece of each token's
-    block-table row, and threads to zero the length buffer past num_tokens and
-    to write each request's query length."""
-    return elementwise_blocks(max(num_tokens * warp_pieces(columns) * WARP_LANES,
+def indexer_piece(num_tokens: int, columns: int, device: int) -> int:
+    """Columns per warp of the indexer's decode rows (passed to kernels as
+    IndexerDecodeParams.piece_shift, its log2): the narrowest piece whose warps stay
+    within NARROW_PIECE_WARPS_PER_SM per SM (a decode step of 1-66 tokens at a
+    1M context), else WARP_PIECE; WARP_PIECE on the CPU (device -1)."""
+    if device >= 0:
+        budget = NARROW_PIECE_WARPS_PER_SM * sm_count(device)
+        for piece in NARROW_WARP_PIECES:
+            if num_tokens * warp_pieces(columns, piece) <= budget:
+                return piece
+    return WARP_PIECE
+
+
+def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int, num_reqs: int,
+                          piece: int) -> int:
+    """Blocks of the indexer's decode metadata: a warp per piece of ``piece``
+    columns of each token's block-table row, and threads to zero the length
+    buffer past num_tokens and to write each request's query length."""
+    return elementwise_blocks(max(num_tokens * warp_pieces(columns, piece) * WARP_LANES,
                                   lengths - num_tokens, num_reqs))
 
 

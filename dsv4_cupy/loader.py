@@ -30,8 +30,7 @@ import numpy as np
 
 from . import device as devices
 from .errors import KernelCompileError
-from .geometry import (MAX_PLAN_CHUNKS, POSITION_LIMIT, RUN_TIME, THREADS, WARP_LANES,
-                       WARP_PIECE)
+from .geometry import MAX_PLAN_CHUNKS, POSITION_LIMIT, RUN_TIME, THREADS, WARP_LANES
 from .params import Params
 from .spec import (FP8_E4M3_MAX, FP8_RECORD_BYTES, INDEXER_HEAD_DIM, NOPE_HEAD_DIM,
                    PAD_SLOT_ID, QUANT_TILE, ROPE_HEAD_DIM, SCALE_RECORD_BYTES)
@@ -42,8 +41,8 @@ BASE_OPTIONS = ("-std=c++17",)
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 #: The constants kernels share with Python, one definition each.
 DEVICE_CONSTANTS = {"DSV4_THREADS": THREADS, "DSV4_PAD_SLOT_ID": PAD_SLOT_ID,
-                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_WARP_PIECE": WARP_PIECE,
-                    "DSV4_RUN_TIME": RUN_TIME, "DSV4_POSITION_LIMIT": POSITION_LIMIT,
+                    "DSV4_MAX_PLAN_CHUNKS": MAX_PLAN_CHUNKS, "DSV4_RUN_TIME": RUN_TIME,
+                    "DSV4_POSITION_LIMIT": POSITION_LIMIT,
                     "DSV4_WARP_LANES": WARP_LANES, "DSV4_NOPE_DIM": NOPE_HEAD_DIM,
                     "DSV4_ROPE_DIM": ROPE_HEAD_DIM, "DSV4_QUANT_TILE": QUANT_TILE,
                     "DSV4_FP8_RECORD": FP8_RECORD_BYTES, "DSV4_SCALE_RECORD": SCALE_RECORD_BYTES,

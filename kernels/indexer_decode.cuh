@@ -1,5 +1,5 @@
 // build_indexer_decode_metadata (vLLM #56562, then DSv4's division by the
-// ratio): one warp per piece of DSV4_WARP_PIECE block-table columns of each
+// ratio): one warp per piece of 2^piece_shift block-table columns of each
 // token t < num_tokens (a 1M-context row is 4096 columns); piece 0 writes the
 // token's scalars. A real token (t < qsl[R]) of
 // request b at in-request offset j gets context length
@@ -23,6 +23,7 @@ struct IndexerDecodeParams {     // build_indexer_decode_metadata
     i64 num_tokens;
     i64 context_lens_len;
     i64 ratio;
+    i64 piece_shift;             // log2 of the columns per warp (geometry.indexer_piece)
 };
 
 namespace dsv4 {
@@ -31,16 +32,17 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
     const int* __restrict__ qsl = p.query.query_start_loc;
     const i64 num_reqs = p.query.num_reqs, mapped = qsl[num_reqs];
     const WarpRows rows(blocks);
-    const i64 pieces = p.table.cols > DSV4_WARP_PIECE
-        ? (p.table.cols + DSV4_WARP_PIECE - 1) / DSV4_WARP_PIECE : 1;
+    // Shifts, not a run-time division: its registers would cut the step kernel's occupancy.
+    const i64 piece = 1ll << p.piece_shift;
+    const i64 pieces = p.table.cols > piece ? (p.table.cols + piece - 1) >> p.piece_shift : 1;
     for (i64 r = rows.first; r < p.num_tokens * pieces; r += rows.step) {
         const i64 t = quotient(r, pieces);
-        const int c0 = (int)(r - t * pieces) * DSV4_WARP_PIECE;
+        const int c0 = (int)((r - t * pieces) << p.piece_shift);
         const bool real = num_reqs > 0 && t < mapped;
         const int b = real ? request_of(qsl, num_reqs, t) : 0;
         const int* block_row = real ? p.table.entries + (i64)b * p.table.row_stride : nullptr;
         fill_columns(p.block_rows + t * p.block_rows_stride, c0,
-                     (int)min(p.table.cols, (i64)c0 + DSV4_WARP_PIECE), rows.lane, DSV4_WARP_LANES,
+                     (int)min(p.table.cols, c0 + piece), rows.lane, DSV4_WARP_LANES,
                      [&](int c) { return real ? block_row[c] : 0; });
         if (c0 == 0 && rows.lane == 0) {
             if (real) {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_cupy import geometry
+from dsv4_cupy import device, geometry
 
 MAX_GRID_X = 2**31 - 1
 
@@ -39,6 +39,18 @@ def test_request_guess_shift(num_tokens, num_reqs, shift):
     assert geometry.request_guess_shift(num_tokens, num_reqs) == shift
     if shift:
         assert all((t >> shift) == t // (num_tokens // num_reqs) for t in range(num_tokens))
+
+
+@pytest.mark.parametrize("num_tokens,columns,piece", [
+    (1, 4096, 128), (33, 4096, 128), (34, 4096, 256), (66, 4096, 256), (67, 4096, 512),
+    (256, 4096, 512), (1056, 128, 128), (1057, 128, 512), (0, 0, 128)])
+def test_the_indexer_takes_narrow_pieces_only_for_few_warps(monkeypatch, num_tokens, columns,
+                                                           piece):
+    """At most eight warps per SM (132 SMs: 1056): 128 columns a warp up to 33
+    tokens at a 1M context (4096 columns, 32 pieces each), 256 up to 66."""
+    monkeypatch.setitem(device._SM_COUNT, 0, 132)
+    assert geometry.indexer_piece(num_tokens, columns, 0) == piece
+    assert geometry.indexer_piece(num_tokens, columns, -1) == geometry.WARP_PIECE
 
 
 @pytest.mark.parametrize("rows", [0, 1, 512, 2**31 - 1])

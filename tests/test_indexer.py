@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import dsv4_cupy as d4
+from dsv4_cupy import geometry
+from dsv4_cupy.device import sm_count
 
 import reference_upstream as upstream
 from conftest import GPU_KINDS, HAS_TORCH, KINDS, to_kind, to_numpy
@@ -127,10 +129,30 @@ def test_decode_upstream_grid(kind, query_lens, padding):
     rng = np.random.default_rng(len(query_lens) + padding)
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(int).tolist()
     seq = (np.array(query_lens) + rng.integers(0, 5000, len(query_lens))).tolist()
-    # A row past one warp's piece (geometry.WARP_PIECE columns) with padding.
+    # A row past one warp's piece (geometry.indexer_piece columns) with padding.
     columns = 9 if not padding else 1100
     table = rng.integers(0, 1 << 20, (len(query_lens), columns)).astype(I32)
     run_indexer_decode(kind, qsl, seq, table, qsl[-1] + padding, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("piece", [128, 256, geometry.WARP_PIECE])
+def test_decode_rows_in_each_piece_width(kind, piece):
+    """The GPU copies each row in pieces of 128, 256 or 512 columns, by the
+    warps the step needs (geometry.indexer_piece): every width, on rows whose
+    last piece is short and ends off a 16-byte vector, with padding tokens."""
+    columns = 4099
+    budget = geometry.NARROW_PIECE_WARPS_PER_SM * sm_count(0)
+    num_tokens = {128: 1, 256: budget // geometry.warp_pieces(columns, 128) + 1,
+                  geometry.WARP_PIECE: budget // geometry.warp_pieces(columns, 256) + 1}[piece]
+    assert geometry.indexer_piece(num_tokens, columns, 0) == piece
+    rng = np.random.default_rng(piece)
+    num_reqs = max(num_tokens - 3, 1)
+    qsl = list(range(num_reqs + 1)) if num_tokens > 1 else [0, 1]
+    seq = rng.integers(1, 1 << 20, num_reqs).tolist()
+    table = rng.integers(0, 1 << 20, (num_reqs, columns)).astype(I32)
+    run_indexer_decode(kind, qsl, seq, table, num_tokens, 4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
