@@ -22,6 +22,7 @@ from .kinds import (GPU_KINDS, HOST_KINDS, INT32, INT64, Operand, describe, devi
                     full_block_like_kind, kind_of, probe, probe_all)
 from .launch import Launch
 from .metadata import CommonAttentionMetadata, DeepseekV4Metadata
+from .prepared import PreparedCalls
 from .scalars import check_choice, check_int
 from .slot_mapping import slot_geometry, slot_mapping_launch
 from .spec import (C128A_RATIO, GROUP_RATIOS, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK_SIZE,
@@ -35,6 +36,8 @@ GROUP_BUFFERS = ("req_id_per_token_buffer", "compressed_slot_mapping_buffer",
                  "c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer")
 #: Result views a group keeps: five per step shape (``result_views``).
 MAX_CACHED_VIEWS = 2048
+#: Splits of steps with prefills a group keeps, by their query layout's contents.
+MAX_CACHED_SPLITS = 64
 
 
 class Split(NamedTuple):
@@ -127,6 +130,7 @@ class KVCacheGroup:
         if self.kind in GPU_KINDS:
             DeepseekV4FlashMLABackend.check_device()
         self._views = keys.ViewCache(MAX_CACHED_VIEWS)
+        self._splits = PreparedCalls(MAX_CACHED_SPLITS)
         # The buffers never move, so they are probed once.
         self._buffers = {name: probe(name, getattr(self, name)) for name in GROUP_BUFFERS}
         self.owned = checks.OwnedBuffers(list(self._buffers.values()))
@@ -155,12 +159,21 @@ class KVCacheGroup:
         num_tokens = cm.num_actual_tokens
         if self.uniform_decode(cm):             # the usual case
             return Split(cm.num_reqs, 0, num_tokens, 0)
-        split = Split(*split_host(host_qsl[:cm.num_reqs + 1], self.decode_threshold, False,
-                                  num_tokens, cm.max_query_len, prefilling))
+        qsl = host_qsl[:cm.num_reqs + 1]
+        # A serving loop's steps with prefills repeat their query lengths (the contents).
+        key = (qsl.tobytes(), qsl.dtype.char, num_tokens, cm.max_query_len) \
+            if prefilling is None else None
+        split = self._splits.get(key) if key is not None else None
+        if split is not None:
+            return split
+        split = Split(*split_host(qsl, self.decode_threshold, False, num_tokens,
+                                  cm.max_query_len, prefilling))
         if not 0 <= split.num_decode_tokens <= num_tokens:
             raise ValueError(f"query_start_loc_cpu: expected the decode/prefill boundary inside "
                              f"[0, num_actual_tokens={num_tokens}], got token "
                              f"{split.num_decode_tokens}")
+        if key is not None:
+            self._splits.put(key, split)
         return split
 
     def prefilling(self, cm: CommonAttentionMetadata) -> np.ndarray | None:

@@ -19,7 +19,7 @@ from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
-from .step_plan import (GROUPS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache, StepLayout,
+from .step_plan import (GROUPS, MAX_HOST_VIEWS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache, StepLayout,
                         StepPlan, check_group_data, check_group_metadata, check_groups,
                         chunk_budgets, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
@@ -192,6 +192,7 @@ class DeepseekV4StepMetadataBuilder:
         self._views = keys.ViewCache(MAX_CACHED_VIEWS)
         # Steps that took the full path, by _layout_key(cms) (GPU): StepLayout.
         self._layouts = PreparedCalls() if self._prepared is not None else None
+        self._host_seq_lens = PreparedCalls(MAX_HOST_VIEWS)
 
     def buffers(self) -> dict:
         """Every persistent buffer the builds write, by name (the C128A group's too)."""
@@ -356,7 +357,7 @@ class DeepseekV4StepMetadataBuilder:
                              f"{layout.tables['indexer'].shape[0]} rows")
         chunks, compressed = prefill_plans(
             cm, host_qsl, split, max_num_compressed=self.max_num_compressed,
-            window_size=self.window_size, budgets=self._chunk_budgets)
+            window_size=self.window_size, budgets=self._chunk_budgets, kept=self._host_seq_lens)
         nd, np_tokens = split.num_decode_tokens, split.num_prefill_tokens
         return StepPlan(
             cms=cms, arrays=layout.arrays, tables=layout.tables,

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import checks, combine, host, step_kernel, validation
+from . import checks, combine, host, keys, step_kernel, validation
 from .combine import PlanChunk
 from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS
 from .group import KVCacheGroup, Split, StepArrays
@@ -20,7 +20,7 @@ from .launch import FrozenLaunch, Launch
 from .metadata import CommonAttentionMetadata
 from .prefill_plan import (BAD_QUERY_LENS, BAD_SEQ_LENS, PLANNED, TOO_MANY_COMPRESSED,
                            chunk_budget, step_chunk_plans)
-from .prepared import PreparedCall
+from .prepared import PreparedCall, PreparedCalls
 from .spec import C4A_RATIO, C128A_RATIO
 
 #: The KV-cache groups of a DeepSeek-V4 step, as the step builder takes them.
@@ -147,7 +147,7 @@ class ChunkPlans:
 
     c128a: tuple         # (PlanChunk, ...) of the C128A layers
     swa: tuple           # (PlanChunk, ...) of the SWA-only layers
-    bounds: tuple        # (C128A chunks, both plans' starts and ends, their rows' as bytes):
+    bounds: tuple        # (C128A chunks, then each chunk's (start, end, first_row, end_row)):
                          # the chunks but N, M
 
 
@@ -327,27 +327,20 @@ def chunk_budgets(chunk_size: int, window_size: int, max_model_len: int,
                               max_num_batched_tokens) for ratio in (C128A_RATIO, 0))
 
 
+#: Checked host views of ``seq_lens_cpu`` a step builder keeps.
+MAX_HOST_VIEWS = 8
+
+
 def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
-                  window_size: int, budgets: tuple[int, int] | None
-                  ) -> tuple[ChunkPlans | None, int]:
+                  window_size: int, budgets: tuple[int, int] | None,
+                  kept: PreparedCalls | None = None) -> tuple[ChunkPlans | None, int]:
     """``(chunk plans, compressed rows of the indexer)`` from host data; no
-    plans without ``budgets`` (``chunk_budgets``: no combined prefill rows)."""
+    plans without ``budgets`` (``chunk_budgets``: no combined prefill rows).
+    ``kept``: the host views of ``seq_lens_cpu`` checked before (``host_seq_lens``)."""
     num_decodes, num_prefills = split.num_decodes, split.num_prefills
     if not num_prefills:
         return None, 0
-    # vLLM 0.34 has only the upper bound, exact for the prefill requests read here.
-    host_seq_lens = cm.seq_lens_cpu if cm.seq_lens_cpu is not None else \
-        cm.seq_lens_cpu_upper_bound
-    if host_seq_lens is None:
-        raise ValueError("common_attn_metadata['c128a'].seq_lens_cpu: required for a step "
-                         "with prefills (the chunk plans and the indexer's row count are "
-                         "host decisions; or seq_lens_cpu_upper_bound), got None")
-    seq_cpu = probe("seq_lens_cpu", host_seq_lens)
-    if seq_cpu.kind not in HOST_KINDS:
-        raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
-                        f"{describe(host_seq_lens)}")
-    checks.check(seq_cpu, (INT32, INT64), 1, min_len=num_decodes + num_prefills)
-    seq_lens = host.kernel_view(seq_cpu.array, seq_cpu.kind)
+    seq_lens = host_seq_lens(cm, num_decodes + num_prefills, kept)
     verdict, value, chunks, c128a_chunks = step_chunk_plans(
         seq_lens, host.kernel_view(host_qsl, NUMPY), num_decodes, num_prefills,
         split.num_prefill_tokens, window_size, max_num_compressed,
@@ -358,9 +351,37 @@ def prefill_plans(cm, host_qsl, split: Split, *, max_num_compressed: int,
                 max_num_compressed)
     if budgets is None:
         return None, value
-    placed = list(map(PlanChunk._make, chunks.tolist()))
-    bounds = (c128a_chunks, chunks[:, :2].tobytes(), chunks[:, 4:].tobytes())
+    rows = chunks.tolist()
+    placed = list(map(PlanChunk._make, rows))
+    bounds = (c128a_chunks, *[(start, end, first_row, end_row)
+                              for start, end, _, _, first_row, end_row in rows])
     return ChunkPlans(tuple(placed[:c128a_chunks]), tuple(placed[c128a_chunks:]), bounds), value
+
+
+def host_seq_lens(cm, min_len: int, kept: PreparedCalls | None = None) -> np.ndarray:
+    """The step's ``seq_lens_cpu`` (vLLM 0.34 has only the upper bound, exact
+    for the prefill requests read here), checked, as the numba kernels take
+    it. ``kept``: the views checked before, by ``keys.host_key``: an entry
+    holds its array, so one with the same address, shape, strides and dtype
+    is the same memory, and its checks but the length hold."""
+    array = cm.seq_lens_cpu if cm.seq_lens_cpu is not None else cm.seq_lens_cpu_upper_bound
+    key = keys.host_key(array) if kept is not None else None
+    entry = kept.get(key) if key is not None else None
+    if entry is not None and entry[1].shape[0] >= min_len:
+        return entry[1]
+    if array is None:
+        raise ValueError("common_attn_metadata['c128a'].seq_lens_cpu: required for a step "
+                         "with prefills (the chunk plans and the indexer's row count are "
+                         "host decisions; or seq_lens_cpu_upper_bound), got None")
+    seq_cpu = probe("seq_lens_cpu", array)
+    if seq_cpu.kind not in HOST_KINDS:
+        raise TypeError("seq_lens_cpu: expected a host array (numpy or torch CPU), got "
+                        f"{describe(array)}")
+    checks.check(seq_cpu, (INT32, INT64), 1, min_len=min_len)
+    view = host.kernel_view(seq_cpu.array, seq_cpu.kind)
+    if key is not None:
+        kept.put(key, (array, view))
+    return view
 
 
 def _refuse(verdict: int, value: int, chunks, seq_lens, starts, split: Split,

@@ -746,6 +746,62 @@ def test_vllm_034s_upper_bound_and_decode_threshold(kind):
     assert wide.c128a_group.decode_threshold == 3
 
 
+def _host_and_arrays(metadata) -> dict:
+    """A step's metadata as host values: ints and lists as they are, arrays as numpy."""
+    return {field.name: (value if isinstance(value, (int, list)) else to_numpy(value))
+            for field in dataclasses.fields(metadata) if field.name != "c128a"
+            and (value := getattr(metadata, field.name)) is not None}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_host_arrays_refreshed_in_place_give_this_steps_split_and_plans(kind):
+    """The split is kept by the query layout's contents and the checked view of
+    seq_lens_cpu by its address (vLLM refreshes its persistent host buffers in
+    place): a step whose query_start_loc_cpu and seq_lens_cpu are the last
+    step's objects with new contents gets what a new builder makes of it."""
+    rng = np.random.default_rng(11)
+    like = to_kind(np.zeros(1, I32), kind)
+
+    def builder():
+        return d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, MAX_TOKENS, combined_prefill=True,
+                                                num_speculative_tokens=SPEC, like=like)
+
+    kept = builder()
+    first = make_step(rng, 3, [40, 9], kind=kind)
+    kept.build(0, first)
+    second = make_step(rng, 1, [12, 33, 700, 20], kind=kind)     # as many requests
+    host = first["c128a"]
+    for name in ("query_start_loc_cpu", "seq_lens_cpu"):
+        getattr(host, name)[...] = getattr(second["c128a"], name)
+        for cm in second.values():
+            setattr(cm, name, getattr(host, name))
+    got, want = kept.build(0, second), builder().build(0, second)
+    assert (got.num_decodes, got.num_prefills) == (want.num_decodes, want.num_prefills) == (1, 4)
+    got, want = _host_and_arrays(got), _host_and_arrays(want)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_kept_host_seq_lens_view_is_the_callers_memory_and_rechecked_for_length():
+    from types import SimpleNamespace
+
+    from dsv4_cupy.prepared import PreparedCalls
+    from dsv4_cupy.step_plan import MAX_HOST_VIEWS, host_seq_lens
+    kept = PreparedCalls(MAX_HOST_VIEWS)
+    seq = np.array([5, 9, 40], I32)
+    cm = SimpleNamespace(seq_lens_cpu=seq, seq_lens_cpu_upper_bound=None)
+    view = host_seq_lens(cm, 3, kept)
+    assert host_seq_lens(cm, 2, kept) is view
+    seq[1] = 77
+    assert view[1] == 77
+    with pytest.raises(ValueError, match=r"seq_lens_cpu: expected at least 4 elements, got "
+                                         r"shape \(3,\)"):
+        host_seq_lens(cm, 4, kept)
+    cm.seq_lens_cpu = seq.astype(np.int64)                     # another array: checked anew
+    assert host_seq_lens(cm, 3, kept).dtype == np.int64
+
+
 def test_a_repeated_decode_step_returns_its_kept_metadata_on_the_cpu(monkeypatch):
     """The GPU path's host side on the CPU (``emulate_gpu_host``): a decode
     step laid out as the last one takes its prepared launch and returns a copy
