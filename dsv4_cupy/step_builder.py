@@ -230,6 +230,10 @@ class DeepseekV4StepMetadataBuilder:
         changed); a step with prefills reuses the
         checks, and the launch of an earlier step that made the same host
         decisions but its chunks' sizes and the indexer's rows (written in).
+        Any kind: the split of a step with prefills is kept by
+        ``query_start_loc_cpu``'s contents, and the checked view of
+        ``seq_lens_cpu`` by its address (the last ``MAX_HOST_VIEWS`` arrays
+        are held, so an address seen again is the same memory).
         """
         capturing = bool(capturing)
         layout_key = key = None
