@@ -19,9 +19,9 @@ from .spec import (C4A_RATIO, C128A_RATIO, INDEX_TOPKS, KV_BLOCK_SIZE, MAX_BLOCK
                    PREFILL_CHUNK_SIZE, SWA_BLOCK_SIZE, SWA_WINDOW_SIZE, cdiv)
 from .step_indexer import IndexerDecode
 from .step_kernel import step_launch
-from .step_plan import (GROUPS, MAX_HOST_VIEWS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache, StepLayout,
-                        StepPlan, check_group_data, check_group_metadata, check_groups,
-                        chunk_budgets, prefill_plans, shared_c128a_group)
+from .step_plan import (GROUPS, MAX_HOST_VIEWS, MAX_LAYOUT_STEPS, PreparedStep, SectionCache,
+                        StepLayout, StepPlan, check_group_data, check_group_metadata,
+                        check_groups, chunk_budgets, prefill_plans, shared_c128a_group)
 from .swa import swa_launch
 
 #: The builder's buffers kept as tuples, by their fields' names (``name[field]``).
