@@ -28,8 +28,8 @@ WARP_LANES = 32
 #: a row of 4096 block ids (1M context) is copied by 8 warps at once instead of
 #: one warp waiting on 8 round trips.
 WARP_PIECE = 512
-#: Narrower pieces for few rows: one or two stores per lane, each lane's copy one
-#: round trip (a lane's next load waits for its store before it: they may alias).
+#: Narrower pieces for few rows: one or two stores per lane, a round trip each (a
+#: lane's next load waits for its store before it: they may alias).
 #: Every piece is a power of two (the kernel shifts).
 NARROW_WARP_PIECES = (128, 256)
 #: Warps per SM up to which the indexer's decode rows take narrower pieces.
