@@ -24,6 +24,7 @@ import threading
 import types
 
 import numba
+import numpy as np
 from numba import njit
 
 _process = {"forked": False, "layer": None}
@@ -87,10 +88,22 @@ def div_trunc(a, b):
 
 @njit(cache=True, inline="always")
 def request_of(qsl, num_reqs, t):
-    """The first i with qsl[i + 1] > t, else num_reqs - 1: a binary search that never
-    tests request num_reqs - 1, as the device kernel's (request_of, common.cuh)."""
-    lo = 0
-    hi = num_reqs - 1
+    """The first i with qsl[i + 1] > t, else num_reqs - 1: request t when
+    qsl[t] <= t < qsl[t + 1], else a binary search that never tests request
+    num_reqs - 1, as the device kernel's (request_of, common.cuh: the same
+    answer for a garbage qsl too)."""
+    t = np.int64(t)                 # a prange index is unsigned
+    lo = np.int64(0)
+    hi = np.int64(num_reqs) - 1
+    if lo < hi:
+        guess = t if t < hi else hi
+        mid = hi // 2
+        if qsl[guess] <= t and t < qsl[guess + 1]:
+            return guess
+        if qsl[mid + 1] <= t:
+            lo = mid + 1
+        else:
+            hi = mid
     while lo < hi:
         mid = (lo + hi) // 2
         if qsl[mid + 1] <= t:

@@ -58,9 +58,19 @@ __device__ __forceinline__ i64 quotient(i64 n, i64 d) {
 // The request owning flattened token t: the first i with qsl[i + 1] > t,
 // clamped to [0, num_reqs - 1]. Request num_reqs - 1 is the answer when no
 // other is, so it is never tested: one request reads nothing, and qsl is read
-// below qsl[num_reqs].
+// up to qsl[num_reqs]. A decode step of one token per request has token t in
+// request t: that guess, checked as qsl[g] <= t < qsl[g + 1] (so for a
+// non-decreasing qsl the first such i), takes one round of loads instead of
+// the search's log2(num_reqs); the search's first probe is loaded beside it,
+// so a wrong guess costs no round. cpu.request_of is the same function.
 __device__ __forceinline__ int request_of(const int* __restrict__ qsl, i64 num_reqs, i64 t) {
     i64 lo = 0, hi = num_reqs - 1;
+    if (lo < hi) {
+        const i64 guess = t < hi ? t : hi, mid = hi >> 1;
+        const i64 start = qsl[guess], end = qsl[guess + 1], probe = qsl[mid + 1];
+        if (start <= t && t < end) return (int)guess;
+        if (probe <= t) lo = mid + 1; else hi = mid;
+    }
     while (lo < hi) {
         const i64 mid = (lo + hi) >> 1;
         if ((i64)qsl[mid + 1] <= t) lo = mid + 1; else hi = mid;

@@ -86,6 +86,27 @@ def test_fuzz_gpu_against_cpu(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_garbage_query_layout_maps_tokens_alike_on_every_path(kind):
+    """request_of tries token t's request as t (a one-token decode step's)
+    before its binary search; on a query_start_loc that is not
+    non-decreasing the guess and the search may disagree, and every path
+    answers as the CPU path's request_of does: within [0, R), the guess when
+    it holds, the search's answer otherwise."""
+    from dsv4_cupy.cpu import request_of
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        num_reqs = int(rng.integers(2, 40))
+        num_tokens = int(rng.integers(1, 80))
+        qsl = rng.integers(-3, num_tokens, num_reqs + 1).astype(np.int32)
+        qsl[-1] = num_tokens                        # every token before qsl[R]: mapped
+        want = [request_of(qsl, num_reqs, t) for t in range(num_tokens)]
+        got = d4.token_to_req_indices(to_kind(qsl, kind), num_tokens)
+        np.testing.assert_array_equal(to_numpy(got), want)
+        guessed = [t for t in range(min(num_tokens, num_reqs - 1)) if qsl[t] <= t < qsl[t + 1]]
+        assert all(want[t] == t for t in guessed)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_adversarial_empty_and_all_padding(kind):
     for batch in (make_batch([], []), make_batch([], [], pad_tokens=7),
                   make_batch([0, 0, 0], [0, 5, 10], pad_tokens=4)):
