@@ -370,9 +370,9 @@ def fp8_ds_mla_gather(out, pages, seq_lens, gather_lens, block_table, block_size
     for b, length in enumerate(seq_lens):
         seq = c_div(length, ratio)
         gathered = seq if gather_lens is None else gather_lens[b]
-        for i in range(max(gathered, 0)):
+        for i in range(max(min(gathered, len(out[b]) - offset), 0)):   # rows inside out
             position, row = seq - gathered + i, offset + i
-            if position < 0 or row >= len(out[b]) or b >= len(block_table):
+            if position < 0 or b >= len(block_table):
                 continue
             column = position // block_size
             if column >= len(block_table[b]):

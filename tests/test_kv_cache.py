@@ -208,8 +208,8 @@ def gather_case(rng, seq_lens, block_size=64, pad_value=int(-1e6)):
 
 def gather_reference(out, pages, seq_lens, gather_lens, table, block_size, offset, ratio=1):
     rows = [[list(map(int, row)) for row in request] for request in out]
-    ref.fp8_ds_mla_gather(rows, [list(map(int, p)) for p in pages], list(seq_lens),
-                          None if gather_lens is None else list(gather_lens),
+    ref.fp8_ds_mla_gather(rows, [list(map(int, p)) for p in pages], list(map(int, seq_lens)),
+                          None if gather_lens is None else list(map(int, gather_lens)),
                           [list(map(int, r)) for r in table], block_size, offset, ratio)
     return np.array(rows, U16)
 
@@ -249,6 +249,36 @@ def test_gather_leaves_rows_it_cannot_address(kind):
                                      64, 2)
     np.testing.assert_array_equal(to_numpy(got), want)
     assert (to_numpy(got)[3] == POISON_BF16).all() and (to_numpy(got)[:, :2] == POISON_BF16).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_gather_of_garbage_lengths_writes_what_the_reference_does(kind, ratio):
+    """Negative and int32-extreme seq_lens and gather_lens (garbage a
+    validate="default" call takes unchecked): each path writes exactly the
+    reference's rows, whole and as the one-launch form's SWA source."""
+    rng = np.random.default_rng(9)
+    pages, table = gather_case(rng, [70, 100, 40, 64, 30])
+    seq = np.array([-5, 2**31 - 1, -2**31, 64 * ratio, 30], I32)
+    lens = np.array([3, 2**31 - 1, 4, -7, -2**31], I32)
+    out = np.full((5, 12, HEAD), POISON_BF16, U16)
+    for gather_lens in (None, lens):
+        want = gather_reference(out, pages, seq // ratio, gather_lens, table, 64, 2)
+        got = to_kind(out, kind)
+        d4.dequantize_and_gather_k_cache(got, to_kind(pages, kind), to_kind(seq // ratio, kind),
+                                         None if gather_lens is None else to_kind(lens, kind),
+                                         to_kind(table, kind), 64, 2)
+        np.testing.assert_array_equal(to_numpy(got), want)
+    if ratio > 1:
+        compressed = gather_reference(out[:, :6], pages, seq, None, table, 64, 0, ratio)
+        want = gather_reference(np.concatenate([compressed, out[:, 6:]], axis=1), pages, seq,
+                                lens, table, 64, 6)             # the compressed rows end at N
+        got = to_kind(out, kind)
+        d4.dequantize_and_gather_prefill_kv(
+            got, to_kind(pages, kind), to_kind(table, kind), to_kind(pages, kind),
+            to_kind(table, kind), to_kind(seq, kind), to_kind(lens, kind), ratio, 6,
+            compressed_block_size=64)
+        np.testing.assert_array_equal(to_numpy(got), want)
 
 
 @pytest.mark.parametrize("kind", KINDS)
