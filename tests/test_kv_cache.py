@@ -260,10 +260,11 @@ def test_gather_of_garbage_lengths_writes_what_the_reference_does(kind, ratio):
     rng = np.random.default_rng(9)
     pages, table = gather_case(rng, [70, 100, 40, 64, 30])
     seq = np.array([-5, 2**31 - 1, -2**31, 64 * ratio, 30], I32)
-    lens = np.array([3, 2**31 - 1, 4, -7, -2**31], I32)
+    lens = np.array([-7, 2**31 - 1, 4, 5, -2**31], I32)
     out = np.full((5, 12, HEAD), POISON_BF16, U16)
     for gather_lens in (None, lens):
         want = gather_reference(out, pages, seq // ratio, gather_lens, table, 64, 2)
+        assert (want != POISON_BF16).any() and (want == POISON_BF16).any()   # rows of each
         got = to_kind(out, kind)
         d4.dequantize_and_gather_k_cache(got, to_kind(pages, kind), to_kind(seq // ratio, kind),
                                          None if gather_lens is None else to_kind(lens, kind),
@@ -273,6 +274,7 @@ def test_gather_of_garbage_lengths_writes_what_the_reference_does(kind, ratio):
         compressed = gather_reference(out[:, :6], pages, seq, None, table, 64, 0, ratio)
         want = gather_reference(np.concatenate([compressed, out[:, 6:]], axis=1), pages, seq,
                                 lens, table, 64, 6)             # the compressed rows end at N
+        assert (want[:, :6] != POISON_BF16).any() and (want[:, 6:] != POISON_BF16).any()
         got = to_kind(out, kind)
         d4.dequantize_and_gather_prefill_kv(
             got, to_kind(pages, kind), to_kind(table, kind), to_kind(pages, kind),
