@@ -55,21 +55,38 @@ __device__ __forceinline__ i64 quotient(i64 n, i64 d) {
     return n / d;
 }
 
+// One round of request_of's loads: the guessed request g (g <= hi < num_reqs),
+// taken when qsl[g] <= t < qsl[g + 1] (for a non-decreasing qsl the first
+// such i), and beside it the search's next probe, which narrows [lo, hi] when
+// the guess fails.
+__device__ __forceinline__ bool guessed_round(const int* __restrict__ qsl, i64 t, i64 guess,
+                                              i64& lo, i64& hi) {
+    const i64 mid = (lo + hi) >> 1;
+    const i64 start = qsl[guess], end = qsl[guess + 1], probe = qsl[mid + 1];
+    if (start <= t && t < end) { lo = guess; return true; }
+    if (probe <= t) lo = mid + 1; else hi = mid;
+    return false;
+}
+
 // The request owning flattened token t: the first i with qsl[i + 1] > t,
 // clamped to [0, num_reqs - 1]. Request num_reqs - 1 is the answer when no
 // other is, so it is never tested: one request reads nothing, and qsl is read
-// up to qsl[num_reqs]. A decode step of one token per request has token t in
-// request t: that guess, checked as qsl[g] <= t < qsl[g + 1] (so for a
-// non-decreasing qsl the first such i), takes one round of loads instead of
-// the search's log2(num_reqs); the search's first probe is loaded beside it,
-// so a wrong guess costs no round. cpu.request_of is the same function.
+// up to qsl[num_reqs]. A decode step finds its tokens in one or two rounds of
+// loads instead of the search's log2(num_reqs): first request t (one token per
+// request), then, when the first request has q = qsl[1] > 1 tokens (uniform
+// speculative decodes), request t / q; each guess is checked, and the
+// search's probe rides beside it, so a wrong one costs no round.
+// cpu.request_of is the same function.
 __device__ __forceinline__ int request_of(const int* __restrict__ qsl, i64 num_reqs, i64 t) {
     i64 lo = 0, hi = num_reqs - 1;
     if (lo < hi) {
-        const i64 guess = t < hi ? t : hi, mid = hi >> 1;
-        const i64 start = qsl[guess], end = qsl[guess + 1], probe = qsl[mid + 1];
-        if (start <= t && t < end) return (int)guess;
-        if (probe <= t) lo = mid + 1; else hi = mid;
+        const i64 first_len = qsl[1];
+        if (guessed_round(qsl, t, t < hi ? t : hi, lo, hi)) return (int)lo;
+        if (first_len > 1 && lo < hi) {
+            const i64 guess = t >> 32 ? num_reqs - 1 : (unsigned)t / (unsigned)first_len;
+            if (guessed_round(qsl, t, guess < num_reqs - 1 ? guess : num_reqs - 1, lo, hi))
+                return (int)lo;
+        }
     }
     while (lo < hi) {
         const i64 mid = (lo + hi) >> 1;

@@ -87,11 +87,12 @@ def test_fuzz_gpu_against_cpu(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_garbage_query_layout_maps_tokens_alike_on_every_path(kind):
-    """request_of tries token t's request as t (a one-token decode step's)
-    before its binary search; on a query_start_loc that is not
-    non-decreasing the guess and the search may disagree, and every path
-    answers as the CPU path's request_of does: within [0, R), the guess when
-    it holds, the search's answer otherwise."""
+    """request_of tries token t's request as t (a one-token decode step's),
+    then as t // qsl[1] (uniform speculative decodes), before its binary
+    search; on a query_start_loc that is not non-decreasing the guesses and
+    the search may disagree, and every path answers as the CPU path's
+    request_of does: within [0, R), a guess when it holds, the search's
+    answer otherwise."""
     from dsv4_cupy.cpu import request_of
     rng = np.random.default_rng(5)
     for _ in range(30):
