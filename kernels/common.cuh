@@ -55,7 +55,7 @@ __device__ __forceinline__ i64 quotient(i64 n, i64 d) {
     return n / d;
 }
 
-// One round of request_of's loads: the guessed request g (g <= hi < num_reqs),
+// One round of request_of's loads: the guessed request g (0 <= g < num_reqs),
 // taken when qsl[g] <= t < qsl[g + 1] (for a non-decreasing qsl the first
 // such i), and beside it the search's next probe, which narrows [lo, hi] when
 // the guess fails.
@@ -73,7 +73,7 @@ __device__ __forceinline__ bool guessed_round(const int* __restrict__ qsl, i64 t
 // other is, so it is never tested: one request reads nothing, and qsl is read
 // up to qsl[num_reqs]. A decode step finds its tokens in one or two rounds of
 // loads instead of the search's log2(num_reqs): first request t (one token per
-// request), then, when the first request has q = qsl[1] > 1 tokens (uniform
+// request), then, when q = qsl[1] > 1 (the first request's tokens; uniform
 // speculative decodes), request t / q; each guess is checked, and the
 // search's probe rides beside it, so a wrong one costs no round.
 // cpu.request_of is the same function.
