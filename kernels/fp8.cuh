@@ -69,6 +69,31 @@ __device__ __forceinline__ unsigned short dequantized_bf16(unsigned char value, 
     return __bfloat16_as_ushort(__double2bfloat16(scaled));
 }
 
+// Scale bytes whose factor times every finite e4m3 value is a normal float32
+// and exactly a bf16 (e4m3 magnitudes are 0 or in [2^-9, 448], with at most 4
+// significant bits): 2^(byte - 127 - 9) >= 2^-126, 448 * 2^(byte - 127) < 2^128.
+constexpr int kExactScaleFirst = 10, kExactScaleLast = 246;
+
+__device__ __forceinline__ bool exact_in_float32(unsigned char scale) {
+    return scale >= kExactScaleFirst && scale <= kExactScaleLast;
+}
+
+// Whether one of the four e4m3 bytes of `word` is a NaN (0x7F or 0xFF).
+__device__ __forceinline__ bool has_e4m3_nan(unsigned word) {
+    const unsigned flipped = (word & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;   // a zero byte per NaN
+    return ((flipped - 0x01010101u) & ~flipped & 0x80808080u) != 0;
+}
+
+// dequantized_bf16 of two e4m3 bytes (the low one first) as bf16x2 bits, for
+// a scale byte exact_in_float32 and no NaN: the float32 product is exact, so
+// it rounds to the same bf16 as the float64 one, in a third of the instructions.
+__device__ __forceinline__ unsigned dequantized_bf16x2(unsigned short pair, unsigned char scale) {
+    const float factor = power_of_two(scale - kScaleBias);
+    const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    const __nv_bfloat162_raw bf16 = __floats2bfloat162_rn(v.x * factor, v.y * factor);
+    return bf16.x | ((unsigned)bf16.y << 16);
+}
+
 // Where a cache slot lives: its page and its row in the page. False for a
 // slot outside the cache (-1 marks a padding token): nothing is written then.
 struct CacheSlot {

@@ -36,9 +36,13 @@ namespace dsv4 {
 constexpr int kDimsPerChunk = 8;                         // a lane's 16-byte store
 constexpr int kNopeChunks = DSV4_NOPE_DIM / kDimsPerChunk;
 
-// 8 fp8 values of NoPE chunk `chunk` as 8 bf16 (one 16-byte store).
+// 8 fp8 values of NoPE chunk `chunk` as 8 bf16 (one 16-byte store): in
+// float32 pairs, or value by value in float64 for a NaN or an extreme scale.
 __device__ __forceinline__ uint4 dequantized_chunk(uint2 values, unsigned long long scales, int chunk) {
     const unsigned char scale = (unsigned char)(scales >> (8 * (chunk * kDimsPerChunk / DSV4_QUANT_TILE)));
+    if (exact_in_float32(scale) && !has_e4m3_nan(values.x) && !has_e4m3_nan(values.y))
+        return make_uint4(dequantized_bf16x2(values.x & 0xFFFFu, scale), dequantized_bf16x2(values.x >> 16, scale),
+                          dequantized_bf16x2(values.y & 0xFFFFu, scale), dequantized_bf16x2(values.y >> 16, scale));
     unsigned short bf16[kDimsPerChunk];
 #pragma unroll
     for (int d = 0; d < kDimsPerChunk; ++d)

@@ -533,6 +533,35 @@ def test_gpu_conversions_of_every_bf16_value_equal_the_cpu_path(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
+def test_gpu_dequantisation_of_every_e4m3_byte_at_every_scale_byte_equals_the_cpu_path(kind):
+    """Pages written byte by byte: under each scale byte, its 256 e4m3 codes
+    in four tiles of 64 (the NaNs 0x7F and 0xFF among them), gathered on the
+    GPU and on the CPU (equal to the reference for every pair, above): the
+    float32 pairs and the float64 values (NaNs, extreme scales) alike."""
+    block, record, scale_record, tile = 64, NOPE + 2 * ROPE, 8, 64
+    tiles = 256 * 4
+    rows = -(-tiles // (NOPE // tile))
+    pages = to_numpy(pages_of("numpy", -(-rows // block), block, fill=0))
+    for t in range(tiles):
+        scale, quarter = divmod(t, 4)
+        row, j = divmod(t, NOPE // tile)
+        page, r = pages[row // block], row % block
+        page[r * record + j * tile:r * record + (j + 1) * tile] = np.arange(tile) + tile * quarter
+        page[block * record + r * scale_record + j] = scale
+    table = np.arange(pages.shape[0], dtype=I32)[None]
+    want = np.full((1, rows, HEAD), POISON_BF16, U16)
+    d4.dequantize_and_gather_k_cache(want, pages, np.array([rows], I32), None, table, block, 0)
+    got = to_kind(np.full_like(want, POISON_BF16), kind)
+    d4.dequantize_and_gather_k_cache(got, to_kind(pages, kind), to_kind(np.array([rows], I32), kind),
+                                     None, to_kind(table, kind), block, 0)
+    np.testing.assert_array_equal(to_numpy(got), want)
+    nope = want[0, :, :NOPE]
+    assert (nope == 0x7FC0).any() and ((nope & 0x7F80) == 0x7F80).sum() > (nope == 0x7FC0).sum()
+    assert ((nope & 0x7F80) == 0).sum() > tiles      # zeros and bf16 subnormals
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
 def test_each_cache_op_launches_once_per_call_repeated_or_not(kind, monkeypatch):
     """A repeated call takes its prepared launch (one launch, no second full path)."""
     from dsv4_cupy.launch import PreparedLaunch
