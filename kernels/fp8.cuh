@@ -2,7 +2,8 @@
 // UE8M0 scale exponent; dsv4_cupy/fp8.py is the CPU path's twin, bit for bit.
 // CuPy compiles with -ftz=true, so nothing here lets a float32 subnormal
 // decide a result: the exponent comes from integer bits, and the dequantised
-// product runs in float64, where it is exact.
+// product runs in float64, where it is exact, or in float32 where every
+// product is a normal float32.
 #pragma once
 #include <cuda_fp8.h>
 #include <cuda_bf16.h>
@@ -86,7 +87,7 @@ __device__ __forceinline__ bool has_e4m3_nan(unsigned word) {
 
 // dequantized_bf16 of two e4m3 bytes (the low one first) as bf16x2 bits, for
 // a scale byte exact_in_float32 and no NaN: the float32 product is exact, so
-// it rounds to the same bf16 as the float64 one, in a third of the instructions.
+// it gives the bf16 the float64 one does, with no float64 arithmetic.
 __device__ __forceinline__ unsigned dequantized_bf16x2(unsigned short pair, unsigned char scale) {
     const float factor = power_of_two(scale - kScaleBias);
     const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
