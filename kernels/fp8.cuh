@@ -79,9 +79,10 @@ __device__ __forceinline__ bool exact_in_float32(unsigned char scale) {
     return scale >= kExactScaleFirst && scale <= kExactScaleLast;
 }
 
-// Whether one of the four e4m3 bytes of `word` is a NaN (0x7F or 0xFF).
+// Whether one of the four e4m3 bytes of `word` is a NaN (kE4m3Nan, either sign).
 __device__ __forceinline__ bool has_e4m3_nan(unsigned word) {
-    const unsigned flipped = (word & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;   // a zero byte per NaN
+    constexpr unsigned kNanBytes = kE4m3Nan * 0x01010101u;        // kE4m3Nan in every byte
+    const unsigned flipped = (word & kNanBytes) ^ kNanBytes;        // a zero byte per NaN
     return ((flipped - 0x01010101u) & ~flipped & 0x80808080u) != 0;
 }
 

@@ -538,7 +538,7 @@ def test_gpu_dequantisation_of_every_e4m3_byte_at_every_scale_byte_equals_the_cp
     in four tiles of 64 (the NaNs 0x7F and 0xFF among them), gathered on the
     GPU and on the CPU (equal to the reference for every pair, above): the
     float32 pairs and the float64 values (NaNs, extreme scales) alike."""
-    block, record, scale_record, tile = 64, NOPE + 2 * ROPE, 8, 64
+    block, record, tile = 64, ref.RECORD, ref.TILE
     tiles = 256 * 4
     rows = -(-tiles // (NOPE // tile))
     pages = to_numpy(pages_of("numpy", -(-rows // block), block, fill=0))
@@ -547,7 +547,7 @@ def test_gpu_dequantisation_of_every_e4m3_byte_at_every_scale_byte_equals_the_cp
         row, j = divmod(t, NOPE // tile)
         page, r = pages[row // block], row % block
         page[r * record + j * tile:r * record + (j + 1) * tile] = np.arange(tile) + tile * quarter
-        page[block * record + r * scale_record + j] = scale
+        page[block * record + r * ref.SCALES + j] = scale
     table = np.arange(pages.shape[0], dtype=I32)[None]
     want = np.full((1, rows, HEAD), POISON_BF16, U16)
     d4.dequantize_and_gather_k_cache(want, pages, np.array([rows], I32), None, table, block, 0)
