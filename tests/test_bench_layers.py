@@ -149,3 +149,71 @@ def test_the_step_tables_print_every_row(capsys):
     lines = out.splitlines()
     for name, *_ in step_bench.STEP_CASES:       # a row in each of the three tables
         assert sum(line.startswith(f"{name:16} ") for line in lines) == 3, name
+
+
+def test_the_sections_tool_runs_each_section_alone_on_its_own_blocks(monkeypatch):
+    """``bench.sections`` on a decode step's prepared launch (the GPU path's
+    host side, emulated): "all" as built, "none" every section off on the
+    whole grid, then each section with blocks alone (the sections before it
+    end at block 0, it and the rest at its block count, the grid that count),
+    nothing else in the struct changed; each is installed in the launch while
+    timed, and the launch is left as built."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from helpers import emulate_gpu_host
+
+    import dsv4_cupy as d4
+    from dsv4_cupy.bench import sections
+    from dsv4_cupy.bench.cli import MAX_MODEL_LEN, make_step
+    from dsv4_cupy.bench.step import prepared_launches
+    from dsv4_cupy.step_kernel import PARAMS, SECTION_NAMES
+
+    emulate_gpu_host(monkeypatch)
+    step = make_step(16, 1, [], 0)
+    shared = {name: torch.from_numpy(step[name]) for name in ("qsl", "seq", "positions")}
+    cms = {group: d4.CommonAttentionMetadata(
+        query_start_loc=shared["qsl"], query_start_loc_cpu=shared["qsl"],
+        seq_lens=shared["seq"], block_table_tensor=torch.from_numpy(step["table"]),
+        slot_mapping=torch.from_numpy(step["slots"]), positions=shared["positions"],
+        num_reqs=16, num_actual_tokens=16, max_query_len=1, max_seq_len=step["max_seq"])
+        for group in ("swa", "c4a", "indexer", "c128a")}
+    builder = d4.DeepseekV4StepMetadataBuilder(MAX_MODEL_LEN, 1024, like="torch")
+    plan, = prepared_launches(builder, cms)
+    built, built_blocks = plan.storage.copy(), plan.blocks
+    ends = sections.section_ends(built)
+    sizes = dict(zip(SECTION_NAMES, np.diff([0, *ends.values()]).tolist()))
+    assert max(ends.values()) == built_blocks and min(sizes.values()) >= 0
+    # Emulated, the row sections (C128A, SWA) take the CPU's geometry: no blocks.
+    assert all(sizes[name] for name in ("token_map", "group_slots", "indexer_decode"))
+    got = sections.variants(built, built_blocks)
+    assert [name for name, _, _ in got] == ["all", "none",
+                                            *[name for name in SECTION_NAMES if sizes[name]]]
+    first = PARAMS.offset_of("sections", SECTION_NAMES[0])
+    last = PARAMS.offset_of("sections", SECTION_NAMES[-1]) + np.int64().itemsize
+    for name, storage, blocks in got:
+        assert (storage[:first] == built[:first]).all() and (storage[last:] == built[last:]).all()
+        got_ends = sections.section_ends(storage)
+        if name == "all":
+            assert blocks == built_blocks and got_ends == ends
+        elif name == "none":
+            assert blocks == built_blocks and set(got_ends.values()) == {0}
+        else:
+            place = SECTION_NAMES.index(name)
+            assert blocks == sizes[name]
+            assert got_ends == {other: 0 if before < place else blocks
+                                for before, other in enumerate(SECTION_NAMES)}
+
+    seen = []
+
+    class Recording:
+        def graph_us(self, fn):
+            seen.append((plan.storage.copy(), plan.blocks))
+            return 1.0
+
+    times = sections.time_variants(Recording(), torch, plan)
+    assert list(times) == [name for name, _, _ in got]
+    assert all((storage == want).all() and blocks == count
+               for (storage, blocks), (_, want, count) in zip(seen, got, strict=True))
+    assert (plan.storage == built).all() and plan.blocks == built_blocks
+    with pytest.raises(SystemExit):          # decode cases only: a step of one launch
+        sections.main(["--case", "mixed 64+2048"])

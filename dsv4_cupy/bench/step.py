@@ -116,6 +116,20 @@ def host_phases(builder, cms, advance, reps: int = 400) -> dict:
     return {name: float(np.median(values)) for name, values in samples.items()}
 
 
+def prepared_launches(builder, cms) -> list:
+    """The prepared launches (``launch.PreparedLaunch``) that one build of
+    ``builder`` runs, in order (the build runs them)."""
+    from .. import launch
+    launches = []
+    run = launch.PreparedLaunch.run
+    launch.PreparedLaunch.run = lambda plan, stream: launches.append(plan) or run(plan, stream)
+    try:
+        builder.build(0, cms)
+    finally:
+        launch.PreparedLaunch.run = run
+    return launches
+
+
 def _group_metadata(torch, d4, step, rng):
     """One CommonAttentionMetadata per group: the step's shared arrays, own tables and slots."""
     dev = torch.device("cuda")
@@ -218,7 +232,6 @@ def upstream_sequence(torch, d4, ports, step, cms, spec: int, max_model_len: int
 def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
               launch_floor_us: float) -> list[dict]:
     import dsv4_cupy as d4
-    from dsv4_cupy import launch
     try:
         from . import triton_ports as ports
     except ImportError:
@@ -235,15 +248,8 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
         whole = d4.DeepseekV4StepMetadataBuilder(max_model_len, max_tokens,
                                                  num_speculative_tokens=spec,
                                                  combined_prefill=bool(prefills), like="torch")
-        launches = []
-        run = launch.PreparedLaunch.run
-        launch.PreparedLaunch.run = lambda plan, stream: launches.append(plan) or run(plan, stream)
-        try:
-            whole.build(0, cms)
-        finally:
-            launch.PreparedLaunch.run = run
         row = {"op": "step", "case": name, "tokens": step["positions"].shape[0],
-               "launches": len(launches)}
+               "launches": len(prepared_launches(whole, cms))}
         advance = advancing(step, requests, max_model_len) if prefills else (lambda: None)
 
         def advancing_build():

@@ -1,0 +1,107 @@
+"""The step kernel's sections timed alone: ``python -m dsv4_cupy.bench.sections``.
+
+For each decode case of the whole-step bench (``step.STEP_CASES``; ``--case``
+picks), the step builder's prepared launch is timed in CUDA-graph replay as
+it was built ("all"), with every section off on the same grid ("none": the
+launch and the sections' dispatch), and each section alone on its own blocks
+(the other sections' block ends rewritten in the launch's packed struct). A
+section that takes the whole step's time alone is what bounds the step
+(docs/performance.md). A tool, not a benchmark: programmatic launch is off,
+and the outputs are not checked.
+"""
+from __future__ import annotations
+
+import argparse
+import struct
+
+import numpy as np
+
+from ..step_kernel import PARAMS, SECTION_NAMES
+from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, GpuTimer, make_step
+from .step import STEP_CASES, _group_metadata, prepared_launches
+
+_END = struct.Struct("<q")     # StepSections' fields: int64 block ends
+_END_AT = {name: PARAMS.offset_of("sections", name) for name in SECTION_NAMES}
+
+
+def section_ends(storage: np.ndarray) -> dict:
+    """The cumulative block end of each section in a packed ``StepParams``."""
+    return {name: _END.unpack_from(storage, at)[0] for name, at in _END_AT.items()}
+
+
+def _with_ends(storage: np.ndarray, ends: dict) -> np.ndarray:
+    copy = storage.copy()
+    for name, end in ends.items():
+        _END.pack_into(copy, _END_AT[name], end)
+    return copy
+
+
+def variants(storage: np.ndarray, blocks: int) -> list[tuple[str, np.ndarray, int]]:
+    """``(name, packed struct, blocks)`` of the launch as built ("all"), with
+    every section off ("none"), and of each section that has blocks alone:
+    the sections before it end at block 0, it and those after it at its own
+    block count, the grid that count."""
+    ends = section_ends(storage)
+    out = [("all", storage.copy(), blocks),
+           ("none", _with_ends(storage, dict.fromkeys(ends, 0)), blocks)]
+    start = 0
+    for index, name in enumerate(SECTION_NAMES):
+        size, start = ends[name] - start, ends[name]
+        if size:
+            alone = {other: 0 if before < index else size
+                     for before, other in enumerate(SECTION_NAMES)}
+            out.append((name, _with_ends(storage, alone), size))
+    return out
+
+
+def time_variants(timer: GpuTimer, torch, plan) -> dict:
+    """``{name: (us, blocks)}`` of each of ``variants`` of the prepared launch
+    ``plan``, run on torch's current stream; ``plan`` is left as it was."""
+    original, blocks = plan.storage.copy(), plan.blocks
+    times = {}
+    try:
+        for name, storage, count in variants(original, blocks):
+            plan.storage[:] = storage
+            plan.blocks = count
+            times[name] = (timer.graph_us(
+                lambda: plan.run(torch.cuda.current_stream().cuda_stream)), count)
+    finally:
+        plan.storage[:] = original
+        plan.blocks = blocks
+    return times
+
+
+def main(argv=None) -> int:
+    decode_cases = [case[0] for case in STEP_CASES if not case[3]]
+    parser = argparse.ArgumentParser(prog="python -m dsv4_cupy.bench.sections",
+                                     description="The step kernel's sections timed alone "
+                                                 "(see the module).")
+    parser.add_argument("--case", action="append", choices=decode_cases,
+                        help="a decode case of the whole-step bench (default: all of them)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=STEP_MAX_TOKENS,
+                        help=f"the builder's buffers (default {STEP_MAX_TOKENS}, the bench's)")
+    args = parser.parse_args(argv)
+    import torch
+
+    import dsv4_cupy as d4
+    from ..launch import set_programmatic_launch
+
+    set_programmatic_launch(False)       # a launch configuration keeps its grid
+    timer = GpuTimer(torch)
+    for index, (name, requests, query, _) in enumerate(STEP_CASES):
+        if name not in (args.case or decode_cases):
+            continue
+        step = make_step(requests, query, [], 40 + index)
+        cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
+        builder = d4.DeepseekV4StepMetadataBuilder(
+            MAX_MODEL_LEN, args.max_num_batched_tokens, num_speculative_tokens=query - 1,
+            like="torch")
+        plan, = prepared_launches(builder, cms)
+        times = time_variants(timer, torch, plan)
+        print(f"{name}: " + " | ".join(f"{variant} {us:.2f} [{blocks}]"
+                                        for variant, (us, blocks) in times.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
