@@ -16,6 +16,7 @@ import struct
 
 import numpy as np
 
+from ..launch import set_programmatic_launch
 from ..step_kernel import PARAMS, SECTION_NAMES
 from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, GpuTimer, make_step
 from .step import STEP_CASES, _group_metadata, prepared_launches
@@ -84,7 +85,6 @@ def main(argv=None) -> int:
     import torch
 
     import dsv4_cupy as d4
-    from ..launch import set_programmatic_launch
 
     set_programmatic_launch(False)       # a launch configuration keeps its grid
     timer = GpuTimer(torch)
