@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, make_step
-from .step import STEP_CASES, _group_metadata
+from .step import STEP_CASES, step_case
 
 
 class _Profiled:
@@ -54,15 +54,12 @@ def _step_cases(profiled, names) -> list[str]:
     import torch
 
     import dsv4_cupy as d4
-    cases = [case for case in STEP_CASES if (case[0] in names if names else not case[3])]
-    for index, (name, requests, query, prefills) in enumerate(cases):
-        step = make_step(requests, query, prefills, 40 + index)
-        cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
-        builder = d4.DeepseekV4StepMetadataBuilder(
-            MAX_MODEL_LEN, STEP_MAX_TOKENS, num_speculative_tokens=query - 1,
-            combined_prefill=bool(prefills), like="torch")
-        profiled.run(name, lambda: builder.build(0, cms))
-    return [case[0] for case in cases]
+    cases = [index for index, case in enumerate(STEP_CASES)
+             if (case[0] in names if names else not case[3])]
+    for index in cases:
+        _, cms, builder = step_case(torch, d4, index, make_step, MAX_MODEL_LEN, STEP_MAX_TOKENS)
+        profiled.run(STEP_CASES[index][0], lambda: builder.build(0, cms))
+    return [STEP_CASES[index][0] for index in cases]
 
 
 def _selected_cases(profiled) -> list[str]:

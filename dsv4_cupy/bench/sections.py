@@ -19,7 +19,7 @@ import numpy as np
 from ..launch import set_programmatic_launch
 from ..step_kernel import PARAMS, SECTION_NAMES
 from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, GpuTimer, make_step
-from .step import STEP_CASES, _group_metadata, prepared_launches
+from .step import STEP_CASES, prepared_launches, step_case
 
 _END = struct.Struct("<q")     # StepSections' fields: int64 block ends
 _END_AT = {name: PARAMS.offset_of("sections", name) for name in SECTION_NAMES}
@@ -88,14 +88,11 @@ def main(argv=None) -> int:
 
     set_programmatic_launch(False)       # a launch configuration keeps its grid
     timer = GpuTimer(torch)
-    for index, (name, requests, query, _) in enumerate(STEP_CASES):
+    for index, (name, *_) in enumerate(STEP_CASES):
         if name not in (args.case or decode_cases):
             continue
-        step = make_step(requests, query, [], 40 + index)
-        cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
-        builder = d4.DeepseekV4StepMetadataBuilder(
-            MAX_MODEL_LEN, args.max_num_batched_tokens, num_speculative_tokens=query - 1,
-            like="torch")
+        _, cms, builder = step_case(torch, d4, index, make_step, MAX_MODEL_LEN,
+                                    args.max_num_batched_tokens)
         plan, = prepared_launches(builder, cms)
         times = time_variants(timer, torch, plan)
         print(f"{name}: " + " | ".join(f"{variant} {us:.2f} [{blocks}]"

@@ -130,6 +130,20 @@ def prepared_launches(builder, cms) -> list:
     return launches
 
 
+def step_case(torch, d4, index: int, make_step, max_model_len: int, max_tokens: int) -> tuple:
+    """``(step, cms, builder)`` of ``STEP_CASES[index]`` as the bench builds
+    it: the step (``make_step``'s, seeded by the case), one
+    ``CommonAttentionMetadata`` per group on the GPU, and the step builder
+    (combined prefill rows when the case has prefills)."""
+    _, requests, query, prefills = STEP_CASES[index]
+    step = make_step(requests, query, prefills, 40 + index)
+    cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
+    builder = d4.DeepseekV4StepMetadataBuilder(max_model_len, max_tokens,
+                                               num_speculative_tokens=query - 1,
+                                               combined_prefill=bool(prefills), like="torch")
+    return step, cms, builder
+
+
 def _group_metadata(torch, d4, step, rng):
     """One CommonAttentionMetadata per group: the step's shared arrays, own tables and slots."""
     dev = torch.device("cuda")
@@ -239,15 +253,11 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
 
     rows = []
     for index, (name, requests, query, prefills) in enumerate(STEP_CASES):
-        step = make_step(requests, query, prefills, 40 + index)
+        step, cms, whole = step_case(torch, d4, index, make_step, max_model_len, max_tokens)
         original_seq = step["seq"].copy()
-        cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
         spec = query - 1
         c128a = d4.DeepseekV4MetadataBuilder(128, max_model_len, max_tokens,
                                              num_speculative_tokens=spec, like="torch")
-        whole = d4.DeepseekV4StepMetadataBuilder(max_model_len, max_tokens,
-                                                 num_speculative_tokens=spec,
-                                                 combined_prefill=bool(prefills), like="torch")
         row = {"op": "step", "case": name, "tokens": step["positions"].shape[0],
                "launches": len(prepared_launches(whole, cms))}
         advance = advancing(step, requests, max_model_len) if prefills else (lambda: None)
