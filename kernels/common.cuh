@@ -37,11 +37,15 @@ __device__ __forceinline__ i64 clamp_i64(i64 v, i64 lo, i64 hi) {
 
 // Rows among 0..n-1 that context-parallel rank `rank` of `world` holds: rows
 // go to the ranks `interleave` at a time, round robin (vLLM's
-// get_dcp_local_seq_lens).
-__device__ __forceinline__ i64 dcp_local_rows(i64 n, i64 world, i64 rank, i64 interleave) {
-    if (world == 1) return n;
+// get_dcp_local_seq_lens). Out of line under several ranks: a decode row's
+// code then has no stretch to branch over. On a cold instruction cache every
+// branch over code costs a fetch as long as a load (docs/performance.md).
+__device__ __noinline__ i64 dcp_rank_rows(i64 n, i64 world, i64 rank, i64 interleave) {
     const i64 per_rank = n / interleave / world * interleave;
     return per_rank + clamp_i64(n - per_rank * world - rank * interleave, 0, interleave);
+}
+__device__ __forceinline__ i64 dcp_local_rows(i64 n, i64 world, i64 rank, i64 interleave) {
+    return world == 1 ? n : dcp_rank_rows(n, world, rank, interleave);
 }
 
 // n / d for n >= 0, d > 0: a shift when d is a power of two (the ratios, block
@@ -173,15 +177,21 @@ struct PlainDivisor {
 __host__ __device__ constexpr int log2_of(int power_of_two) {
     return power_of_two <= 1 ? 0 : 1 + log2_of(power_of_two >> 1);
 }
+// f(ShiftDivisor) for a power-of-two `size`, else otherwise(): a caller whose
+// other sizes are rare calls out of line there (c128a.cuh), so its code has
+// no stretch to branch over.
+template <typename F, typename Otherwise>
+__device__ __forceinline__ void with_shift_divisor(int size, const F& f, const Otherwise& otherwise) {
+    if (__popc(size) == 1) f(ShiftDivisor{size, __ffs(size) - 1});
+    else otherwise();
+}
 template <int kSize = DSV4_RUN_TIME, typename F>
 __device__ __forceinline__ void with_block_divisor(int size, const F& f) {
     if constexpr (kSize != DSV4_RUN_TIME) {
         static_assert((kSize & (kSize - 1)) == 0, "a compiled-in block size is a power of two");
         f(ShiftDivisor{kSize, log2_of(kSize)});
-    } else if (__popc(size) == 1) {
-        f(ShiftDivisor{size, __ffs(size) - 1});
     } else {
-        f(PlainDivisor{size});
+        with_shift_divisor(size, f, [&] { f(PlainDivisor{size}); });
     }
 }
 

@@ -47,7 +47,7 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
         if (c0 == 0 && rows.lane == 0) {
             if (real) {
                 const i64 length = token_position(p.query.seq_lens[b], qsl[b + 1], t) + 1;
-                p.context_lens[t] = (int)((length > 0 ? length : 0) / p.ratio);
+                p.context_lens[t] = (int)quotient(length > 0 ? length : 0, p.ratio);
                 p.req_ids[t] = b;
             } else {
                 p.context_lens[t] = 0;
