@@ -124,9 +124,11 @@ def test_the_step_benchs_phases_time_the_builders_own_steps_over_advancing_conte
         assert (seq[4:] >= np.diff(step["qsl"])[4:]).all() and (seq <= MAX_MODEL_LEN).all()
     assert len(plans) == 5
     original = prepared.PreparedCall.run
-    phases = step_bench.host_phases(builder, cms, advance, reps=5)
+    phases, builds = step_bench.host_phases(builder, cms, advance, reps=5)
     assert set(phases) == {name for name, _ in step_bench.PHASES} | {"other"}
     assert all(phases[name] > 0 for name in ("checks", "planning", "views", "other"))
+    assert set(builds) == {"median", "mean", "p99"}
+    assert 0 < builds["median"] <= builds["p99"] and builds["mean"] <= builds["p99"]
     assert phases["prepare"] == phases["launch"] == 0
     assert prepared.PreparedCall.run is original
     assert "_plan" not in vars(builder)
@@ -140,6 +142,7 @@ def test_the_step_tables_print_every_row(capsys):
     rows = [{"case": name, "tokens": 3, "launches": 1, "c128a_graph_us": 2.0,
              "step_graph_us": 3.0, "x_c128a_gpu": 1.5, "c128a_host_us": 10.0,
              "step_host_us": 12.0, "step_x_floor": 3.4, "host_phases_us": phases,
+             "host_builds_us": {"median": 11.0, "mean": 12.5, "p99": 30.0},
              "host_x_gpu": 4.0, "upstream_launches": 9, "upstream_graph_us": 9.0,
              "x_upstream_gpu": 3.0, "upstream_host_us": 99.0, "x_upstream_host": 8.25,
              "upstream_same": True, **({"host_x_decode": 1.0} if prefills else {})}

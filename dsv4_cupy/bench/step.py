@@ -70,11 +70,14 @@ def advancing(step: dict, nd_requests: int, max_model_len: int):
     return advance
 
 
-def host_phases(builder, cms, advance, reps: int = 400) -> dict:
+def host_phases(builder, cms, advance, reps: int = 400) -> tuple[dict, dict]:
     """Host us of each phase of ``builder.build``, ``advance()`` before each
     build (a step with prefills: ``advancing``): the builder's own steps
     (``PHASES``) timed in place, the median per phase over ``reps`` builds,
-    and "other", the rest of the build (its glue)."""
+    and "other", the rest of the build (its glue); then the whole builds'
+    median, mean and 99th percentile (phase clocks included). ``host_us``
+    is a mean: where it is far above the median, a tail of slow builds
+    makes the difference, not a phase."""
     from .. import prepared
     clock = time.perf_counter_ns
     spent = dict.fromkeys((name for name, _ in PHASES), 0)
@@ -96,6 +99,7 @@ def host_phases(builder, cms, advance, reps: int = 400) -> dict:
             patched.append((owner, name, owner.__dict__.get(name)))
             setattr(owner, name, timed(phase, getattr(owner, name)))
     samples = {name: [] for name in (*spent, "other")}
+    builds = []
     try:
         for _ in range(reps):
             advance()
@@ -107,13 +111,16 @@ def host_phases(builder, cms, advance, reps: int = 400) -> dict:
             for name, ns in spent.items():
                 samples[name].append(ns / 1e3)
             samples["other"].append((total - sum(spent.values())) / 1e3)
+            builds.append(total / 1e3)
     finally:
         for owner, name, original in reversed(patched):
             if original is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
-    return {name: float(np.median(values)) for name, values in samples.items()}
+    return ({name: float(np.median(values)) for name, values in samples.items()},
+            {"median": float(np.median(builds)), "mean": float(np.mean(builds)),
+             "p99": float(np.percentile(builds, 99))})
 
 
 def prepared_launches(builder, cms) -> list:
@@ -277,7 +284,7 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
         for who, fn, host_fn in timed:
             row[f"{who}_graph_us"] = timer.graph_us(fn)
             row[f"{who}_host_us"] = timer.host_us(host_fn or fn)
-        row["host_phases_us"] = host_phases(whole, cms, advance)
+        row["host_phases_us"], row["host_builds_us"] = host_phases(whole, cms, advance)
         step["seq"][:] = original_seq
         row["x_c128a_gpu"] = row["step_graph_us"] / row["c128a_graph_us"]
         row["step_x_floor"] = row["step_host_us"] / launch_floor_us
@@ -303,14 +310,17 @@ def print_step_rows(rows: list[dict]) -> None:
     if rows:
         names = list(rows[0]["host_phases_us"])
         print("\nwhole step: host us per phase of a build, the median over builds (with "
-              "prefills: of advancing prefill contexts); the step's host us, and it over the "
-              f"launch floor, its GPU us and the host us of {PREFILL_DECODES_CASE}")
+              "prefills: of advancing prefill contexts), and those builds' median, mean and "
+              "99th percentile; the step's host us (a mean), and it over the launch floor, its "
+              f"GPU us and the host us of {PREFILL_DECODES_CASE}")
         print(f"{'case':16} " + " ".join(f"{name:>9}" for name in names)
-              + f" {'sum':>9} {'host':>9} {'x floor':>7} {'x gpu':>6} {'x decode':>8}")
+              + f" {'sum':>9} {'median':>9} {'mean':>9} {'p99':>9} {'host':>9} {'x floor':>7} "
+              f"{'x gpu':>6} {'x decode':>8}")
         for r in rows:
-            phases = r["host_phases_us"]
+            phases, builds = r["host_phases_us"], r["host_builds_us"]
             print(f"{r['case']:16} " + " ".join(f"{phases[name]:9.2f}" for name in names)
-                  + f" {sum(phases.values()):9.2f} {r['step_host_us']:9.2f} "
+                  + f" {sum(phases.values()):9.2f} {builds['median']:9.2f} "
+                  f"{builds['mean']:9.2f} {builds['p99']:9.2f} {r['step_host_us']:9.2f} "
                   f"{r['step_x_floor']:7.2f} {r['host_x_gpu']:6.2f} "
                   f"{r.get('host_x_decode', float('nan')):8.2f}")
     if rows and "upstream_graph_us" in rows[0]:
