@@ -152,6 +152,8 @@ def test_the_step_tables_print_every_row(capsys):
     lines = out.splitlines()
     for name, *_ in step_bench.STEP_CASES:       # a row in each of the three tables
         assert sum(line.startswith(f"{name:16} ") for line in lines) == 3, name
+    # The phases table's builds: median, mean and 99th percentile on each case's row.
+    assert sum("11.00     12.50     30.00" in line for line in lines) == len(step_bench.STEP_CASES)
 
 
 def test_the_sections_tool_runs_each_section_alone_on_its_own_blocks(monkeypatch):
