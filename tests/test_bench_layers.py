@@ -141,7 +141,8 @@ def test_the_step_tables_print_every_row(capsys):
     phases = dict.fromkeys([name for name, _ in step_bench.PHASES] + ["other"], 1.5)
     rows = [{"case": name, "tokens": 3, "launches": 1, "c128a_graph_us": 2.0,
              "step_graph_us": 3.0, "x_c128a_gpu": 1.5, "c128a_host_us": 10.0,
-             "step_host_us": 12.0, "step_x_floor": 3.4, "host_phases_us": phases,
+             "step_host_us": 12.0, "floor_us": 3.75, "step_x_floor": 3.4,
+             "host_phases_us": phases,
              "host_builds_us": {"median": 11.0, "mean": 12.5, "p99": 30.0},
              "host_x_gpu": 4.0, "upstream_launches": 9, "upstream_graph_us": 9.0,
              "x_upstream_gpu": 3.0, "upstream_host_us": 99.0, "x_upstream_host": 8.25,
@@ -152,8 +153,52 @@ def test_the_step_tables_print_every_row(capsys):
     lines = out.splitlines()
     for name, *_ in step_bench.STEP_CASES:       # a row in each of the three tables
         assert sum(line.startswith(f"{name:16} ") for line in lines) == 3, name
-    # The phases table's builds: median, mean and 99th percentile on each case's row.
-    assert sum("11.00     12.50     30.00" in line for line in lines) == len(step_bench.STEP_CASES)
+    # The phases table's builds: median, mean and 99th percentile, then the step's host
+    # us, its paired floor and the ratio, on each case's row.
+    assert sum("11.00     12.50     30.00     12.00   3.75    3.40" in line
+               for line in lines) == len(step_bench.STEP_CASES)
+
+
+def test_paired_host_timing_compares_each_round_with_the_floor_timed_before_it(monkeypatch):
+    """``GpuTimer.paired_host_us``: rounds of the floor then the call, alternating,
+    each from an idle stream; the times are the medians over the rounds and the
+    ratio the median of each round's own ratio. Here the host slows down by half
+    between the floor's third round and the call's: the ratio stays the one
+    speed's (3), where the medians' ratio would be 6."""
+    from dsv4_cupy.bench import cli
+
+    log, clock = [], [0.0]
+    # Round r of either call takes per_call[r] us per call (the warm-up: round 0's).
+    per_call = {"floor": [1.0, 1.0, 1.0, 2.0, 2.0], "build": [3.0, 3.0, 6.0, 6.0, 6.0]}
+    rounds = {"floor": -1, "build": -1}
+
+    class FakeTorch:
+        class cuda:
+            @staticmethod
+            def synchronize():
+                log.append("sync")
+
+    def timed(name):
+        def call():
+            log.append(name)
+            clock[0] += per_call[name][max(rounds[name], 0)] * 1e-6
+        call.__name__ = name
+        return call
+
+    original = cli.GpuTimer._round_us
+
+    def counted_round(self, fn, reps):
+        rounds[fn.__name__] += 1
+        return original(self, fn, reps)
+
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(cli.GpuTimer, "_round_us", counted_round)
+    host, floor_us, ratio = cli.GpuTimer(FakeTorch).paired_host_us(
+        timed("build"), timed("floor"), reps=4, reference_reps=2, rounds=5)
+    assert (host, floor_us) == pytest.approx((6.0, 1.0))
+    assert ratio == pytest.approx(3.0)     # the rounds' ratios: 3, 3, 6, 3, 3
+    assert log[:20] == ["floor", "build"] * 10                  # the warm-up
+    assert log[20:] == (["sync", "floor", "floor", "sync"] + ["build"] * 4) * 5 + ["sync"]
 
 
 def test_the_sections_tool_runs_each_section_alone_on_its_own_blocks(monkeypatch):

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import __version__
 from . import latency
-from .host_cost import host_rows, print_host_rows
+from .host_cost import host_rows, launch_floor, print_host_rows
 from .kv_cache import print_cache_rows
 from .layers import print_layer_rows
 from .step import print_step_rows
@@ -130,18 +130,36 @@ class GpuTimer:
         """Eager wall time per call: the median of ``rounds`` rounds of ``reps``
         calls, each round from an idle stream (one slow round, a collection or
         a neighbour's burst, does not move it)."""
-        torch = self.torch
         for _ in range(10):
             fn()
-        per_call = []
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            per_call.append((time.perf_counter() - start) / reps * 1e6)
-        torch.cuda.synchronize()
+        per_call = [self._round_us(fn, reps) for _ in range(rounds)]
+        self.torch.cuda.synchronize()
         return float(np.median(per_call))
+
+    def paired_host_us(self, fn, reference, reps=400, reference_reps=1000,
+                       rounds=5) -> tuple[float, float, float]:
+        """``(fn's us, reference's us, fn over reference)`` per call: ``host_us``'s
+        rounds, each round of ``fn`` right after one of ``reference`` (the
+        launch floor), so that a ratio compares the two at one speed of the
+        host, which moves between rounds of one process too. The times are
+        the medians over the rounds, the ratio the median of the rounds' ratios."""
+        for _ in range(10):
+            reference()
+            fn()
+        pairs = [(self._round_us(reference, reference_reps), self._round_us(fn, reps))
+                 for _ in range(rounds)]
+        self.torch.cuda.synchronize()
+        references, times = np.array(pairs).T
+        return (float(np.median(times)), float(np.median(references)),
+                float(np.median(times / references)))
+
+    def _round_us(self, fn, reps: int) -> float:
+        """Wall time per call of ``reps`` calls of ``fn`` from an idle stream."""
+        self.torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e6
 
 
 def ceilings(torch, timer: GpuTimer) -> dict:
@@ -228,13 +246,13 @@ def gpu_rows(quick: bool, progress: bool) -> tuple[list[dict], dict]:
             row["x_torch_gpu"] = row["torch_graph_us"] / row["ours_graph_us"]
             row["x_torch_host"] = row["torch_host_us"] / row["ours_host_us"]
             rows.append(row)
-    host, host_meta = host_rows(timer, torch, make_step, MAX_MODEL_LEN, MAX_TOKENS)
+    floor = launch_floor(torch)
+    host, host_meta = host_rows(timer, torch, floor, make_step, MAX_MODEL_LEN, MAX_TOKENS)
     rows += host
     from .step import step_rows
-    rows += step_rows(timer, torch, make_step, MAX_MODEL_LEN, STEP_MAX_TOKENS,
-                      host_meta["launch_floor_us"])
+    rows += step_rows(timer, torch, floor, make_step, MAX_MODEL_LEN, STEP_MAX_TOKENS)
     from .layers import layer_rows
-    rows += layer_rows(quick, timer, ceil, host_meta["launch_floor_us"],
+    rows += layer_rows(quick, timer, ceil, floor,
                        lambda items: _progress(items, progress, "layer cases"))
     from .kv_cache import cache_rows
     rows += cache_rows(timer, ceil)

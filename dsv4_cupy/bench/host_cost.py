@@ -4,15 +4,19 @@ What a serving loop waits for before each step: the eager wall time of one
 call (``GpuTimer.host_us``: the median of five rounds of calls back to back), with torch
 CUDA tensors and ``out=`` buffers, for every op and builder case. The floor is
 a bare ``cuLaunchKernel`` of an empty kernel taking one 256-byte struct, the
-same launch path the library uses; Triton's launcher (7 tensors, 2 ints) is
-the upstream comparison.
+same launch path the library uses, timed in rounds paired with each case's
+(``GpuTimer.paired_host_us``: "x floor" compares the two at one speed of the
+host); Triton's launcher (7 tensors, 2 ints) is the upstream comparison.
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def launch_floor_us(timer, torch) -> float:
+def launch_floor(torch):
+    """The launch floor: a no-argument call of one bare ``cuLaunchKernel`` of
+    an empty kernel on torch's current stream, its handles read once, as a
+    prepared launch reads them."""
     import cupy
 
     from ..kinds import TORCH_CUDA
@@ -22,12 +26,13 @@ def launch_floor_us(timer, torch) -> float:
     function = module.get_function("empty_kernel").kernel
     storage = np.zeros(256, np.uint8)
     pointers = np.array([storage.ctypes.data], np.uint64)
-    device = torch.cuda.current_device()
-    stream = stream_getter(TORCH_CUDA, device)
+    stream = stream_getter(TORCH_CUDA, torch.cuda.current_device())
     launch = cupy.cuda.driver.launchKernel
-    kernel, kernel_params = function.ptr, pointers.ctypes.data      # read once, as a plan does
-    return timer.host_us(lambda: launch(kernel, 1, 1, 1, 32, 1, 1, 0, stream(), kernel_params, 0),
-                         reps=1000)
+    kernel, kernel_params = function.ptr, pointers.ctypes.data
+
+    def floor(_alive=(module, storage, pointers)):     # what the handles point into
+        launch(kernel, 1, 1, 1, 32, 1, 1, 0, stream(), kernel_params, 0)
+    return floor
 
 
 def triton_launcher_us(timer, torch) -> float | None:
@@ -84,23 +89,27 @@ def builder_cases(torch, make_step, max_model_len, max_tokens) -> list[tuple[str
     return cases
 
 
-def host_rows(timer, torch, make_step, max_model_len, max_tokens) -> tuple[list[dict], dict]:
-    floor = launch_floor_us(timer, torch)
+def host_rows(timer, torch, floor, make_step, max_model_len,
+              max_tokens) -> tuple[list[dict], dict]:
+    """A row per op and builder case: its host us, and it over the launch
+    floor (``launch_floor``) timed in paired rounds; the floor alone in the meta."""
     triton_us = triton_launcher_us(timer, torch)
     rows = []
     for name, call in (op_cases(torch, make_step)
                        + builder_cases(torch, make_step, max_model_len, max_tokens)):
-        host = timer.host_us(call)
-        rows.append({"op": "host", "case": name, "host_us": host, "x_floor": host / floor,
-                     "x_triton": host / triton_us if triton_us else None})
-    return rows, {"launch_floor_us": floor, "triton_launcher_us": triton_us}
+        host, floor_us, x_floor = timer.paired_host_us(call, floor)
+        rows.append({"op": "host", "case": name, "host_us": host, "floor_us": floor_us,
+                     "x_floor": x_floor, "x_triton": host / triton_us if triton_us else None})
+    return rows, {"launch_floor_us": timer.host_us(floor, reps=1000),
+                  "triton_launcher_us": triton_us}
 
 
 def print_host_rows(rows: list[dict], meta: dict) -> None:
     triton_us = meta["triton_launcher_us"]
     print(f"\nhost per call: launch floor {meta['launch_floor_us']:.2f} us, Triton launcher "
           + (f"{triton_us:.2f} us" if triton_us else "not available"))
-    print(f"{'case':42} {'host us':>8} {'x floor':>8} {'x triton':>9}")
+    print(f"{'case':42} {'host us':>8} {'floor us':>8} {'x floor':>8} {'x triton':>9}")
     for row in rows:
         x_triton = f"{row['x_triton']:9.2f}" if row["x_triton"] is not None else f"{'-':>9}"
-        print(f"{row['case']:42} {row['host_us']:8.2f} {row['x_floor']:8.2f} {x_triton}")
+        print(f"{row['case']:42} {row['host_us']:8.2f} {row['floor_us']:8.2f} "
+              f"{row['x_floor']:8.2f} {x_triton}")

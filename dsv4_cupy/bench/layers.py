@@ -256,10 +256,11 @@ def _prepare(op: str, params: dict, torch, dev, rng, ports):
     raise ValueError(f"unknown op {op!r}")
 
 
-def layer_rows(quick: bool, timer, ceilings: dict, launch_floor_us: float,
-               progress) -> list[dict]:
+def layer_rows(quick: bool, timer, ceilings: dict, floor, progress) -> list[dict]:
     """A row per case; ``ceilings`` is ``cli.ceilings``'s (write bandwidth and
-    the floors of one launch, against which the decode cases are set)."""
+    the floors of one launch, against which the decode cases are set), ``floor``
+    the host's launch floor (``host_cost.launch_floor``), timed paired with
+    each case's host time."""
     import torch
 
     from ..launch import set_programmatic_launch
@@ -277,8 +278,8 @@ def layer_rows(quick: bool, timer, ceilings: dict, launch_floor_us: float,
         row["ours_pdl_graph_us"] = timer.graph_us(ours)
         set_programmatic_launch(False)
         row["ours_layer_graph_us"] = timer.graph_us(ours)
-        row["ours_layer_host_us"] = timer.host_us(ours)
-        row["host_x_floor"] = row["ours_layer_host_us"] / launch_floor_us
+        row["ours_layer_host_us"], row["floor_us"], row["host_x_floor"] = \
+            timer.paired_host_us(ours, floor)
         row["ours_layer_GBps"] = written_mb / row["ours_layer_graph_us"] * 1e3
         row["write_ceiling_pct"] = 100 * row["ours_layer_GBps"] / ceilings["write_GBps"]
         if port is not None:

@@ -250,8 +250,8 @@ def upstream_sequence(torch, d4, ports, step, cms, spec: int, max_model_len: int
     return run, launches, outputs
 
 
-def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
-              launch_floor_us: float) -> list[dict]:
+def step_rows(timer, torch, floor, make_step, max_model_len: int,
+              max_tokens: int) -> list[dict]:
     import dsv4_cupy as d4
     try:
         from . import triton_ports as ports
@@ -273,21 +273,23 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
             advance()
             return whole.build(0, cms)
 
-        # (who, timed on the GPU, timed on the host): a step with prefills is
-        # timed on the host with its contexts advancing (new plans each build).
-        timed = [("c128a", lambda: c128a.build(0, cms["c128a"]), None),
-                 ("step", lambda: whole.build(0, cms), advancing_build)]
+        timed = [("c128a", lambda: c128a.build(0, cms["c128a"])),
+                 ("step", lambda: whole.build(0, cms))]
         if ports is not None:
             upstream, row["upstream_launches"], upstream_out = upstream_sequence(
                 torch, d4, ports, step, cms, spec, max_model_len, max_tokens)
-            timed.append(("upstream", upstream, None))
-        for who, fn, host_fn in timed:
+            timed.append(("upstream", upstream))
+        for who, fn in timed:
             row[f"{who}_graph_us"] = timer.graph_us(fn)
-            row[f"{who}_host_us"] = timer.host_us(host_fn or fn)
+            if who != "step":
+                row[f"{who}_host_us"] = timer.host_us(fn)
+        # The step on the host: its contexts advancing (a step with prefills plans
+        # anew each build), in rounds paired with the launch floor's.
+        row["step_host_us"], row["floor_us"], row["step_x_floor"] = timer.paired_host_us(
+            advancing_build, floor)
         row["host_phases_us"], row["host_builds_us"] = host_phases(whole, cms, advance)
         step["seq"][:] = original_seq
         row["x_c128a_gpu"] = row["step_graph_us"] / row["c128a_graph_us"]
-        row["step_x_floor"] = row["step_host_us"] / launch_floor_us
         if ports is not None:
             got = whole.build(0, cms)
             ours = [got.swa_decode_indices[:, 0], got.swa_decode_lens]
@@ -301,8 +303,8 @@ def step_rows(timer, torch, make_step, max_model_len: int, max_tokens: int,
     decode = next((r for r in rows if r["case"] == PREFILL_DECODES_CASE), None)
     for row in rows:
         row["host_x_gpu"] = row["step_host_us"] / row["step_graph_us"]
-        if decode is not None:
-            row["host_x_decode"] = row["step_host_us"] / decode["step_host_us"]
+        if decode is not None:      # each over its paired floor: one speed of the host
+            row["host_x_decode"] = row["step_x_floor"] / decode["step_x_floor"]
     return rows
 
 
@@ -311,17 +313,18 @@ def print_step_rows(rows: list[dict]) -> None:
         names = list(rows[0]["host_phases_us"])
         print("\nwhole step: host us per phase of a build, the median over builds (with "
               "prefills: of advancing prefill contexts), and those builds' median, mean and "
-              "99th percentile; the step's host us (a mean), and it over the launch floor, its "
-              f"GPU us and the host us of {PREFILL_DECODES_CASE}")
+              "99th percentile; the step's host us (a mean), the launch floor's in paired "
+              "rounds and the step over it, over its GPU us and over "
+              f"{PREFILL_DECODES_CASE}'s (each over its floor)")
         print(f"{'case':16} " + " ".join(f"{name:>9}" for name in names)
-              + f" {'sum':>9} {'median':>9} {'mean':>9} {'p99':>9} {'host':>9} {'x floor':>7} "
+              + f" {'sum':>9} {'median':>9} {'mean':>9} {'p99':>9} {'host':>9} {'floor':>6} {'x floor':>7} "
               f"{'x gpu':>6} {'x decode':>8}")
         for r in rows:
             phases, builds = r["host_phases_us"], r["host_builds_us"]
             print(f"{r['case']:16} " + " ".join(f"{phases[name]:9.2f}" for name in names)
                   + f" {sum(phases.values()):9.2f} {builds['median']:9.2f} "
                   f"{builds['mean']:9.2f} {builds['p99']:9.2f} {r['step_host_us']:9.2f} "
-                  f"{r['step_x_floor']:7.2f} {r['host_x_gpu']:6.2f} "
+                  f"{r['floor_us']:6.2f} {r['step_x_floor']:7.2f} {r['host_x_gpu']:6.2f} "
                   f"{r.get('host_x_decode', float('nan')):8.2f}")
     if rows and "upstream_graph_us" in rows[0]:
         print("\nwhole step against upstream's sequence (per-group builders, per-layer combines)")
