@@ -48,12 +48,12 @@ __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__
 }
 
 // Writes columns [c0, c1) of one C128A row, the block's threads sharing it.
-template <typename Divisor>
+template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename Divisor>
 __device__ __forceinline__ void c128a_columns(int* __restrict__ row, int c0, int c1, int n,
                                               const int* __restrict__ block_row,
                                               const Divisor& bs) {
-    fill_columns(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
-                 [&](int e) { return c128a_value(e, n, block_row, bs); });
+    fill_columns<kLoop>(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
+                        [&](int e) { return c128a_value(e, n, block_row, bs); });
 }
 // c128a_columns for any block size, out of line: the prefill rows and a block
 // size that is not a power of two. A decode row's code, which bounds a decode
@@ -63,21 +63,26 @@ __device__ __noinline__ void c128a_columns_out_of_line(int* __restrict__ row, in
                                                        int block_size) {
     with_block_divisor(block_size, [&](auto bs) { c128a_columns(row, c0, c1, n, block_row, bs); });
 }
+// A decode row's piece: its columns from one plain loop (a piece holds a few
+// vectors per thread, and the unrolled loop's code is what a decode step waits on).
 __device__ __forceinline__ void c128a_decode_columns(int* __restrict__ row, int c0, int c1, int n,
                                                      const int* __restrict__ block_row,
                                                      int block_size) {
     with_shift_divisor(
-        block_size, [&](auto bs) { c128a_columns(row, c0, c1, n, block_row, bs); },
+        block_size,
+        [&](auto bs) { c128a_columns<ColumnLoop::kCompact>(row, c0, c1, n, block_row, bs); },
         [&] { c128a_columns_out_of_line(row, c0, c1, n, block_row, block_size); });
 }
 
 // The piece of the row grid that this block writes: token t, columns [c0, c1).
+// A launch's blocks number below 2^31, so the division is a 32-bit one.
 struct RowPiece {
     i64 t;
     int c0, c1;
     __device__ __forceinline__ RowPiece(const RowChunks& chunks, i64 width, i64 block) {
-        t = block / chunks.chunks;
-        c0 = (int)((block % chunks.chunks) * chunks.cols_per_block);
+        const unsigned b = (unsigned)block, per_row = (unsigned)chunks.chunks, row = b / per_row;
+        t = row;
+        c0 = (int)((b - row * per_row) * (unsigned)chunks.cols_per_block);
         c1 = (int)min(width, c0 + chunks.cols_per_block);
     }
 };
@@ -112,9 +117,9 @@ __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT
         const int count = valid ? entries : 0;
         const int written = rows.padding_slots ? entries : count;
         const int* block_row = in_table ? table.entries + (i64)req * table.row_stride : nullptr;
+        if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = count;
         c128a_decode_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1,
                              written, written ? block_row : nullptr, (int)g.block_size);
-        if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = count;
     } else {
         c128a_columns_out_of_line(rows.prefill + (t - num_decode_tokens) * rows.prefill_stride,
                                   piece.c0, piece.c1, n, nullptr, (int)g.block_size);

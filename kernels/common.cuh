@@ -213,9 +213,10 @@ __device__ __forceinline__ int compiled_or(i64 run_time) {
 // before the first store waits on them. Stores are streaming (evict-first):
 // the rows of a large step are far larger than L2.
 //
-// ColumnLoop::kCompact writes every vector from one plain loop instead, for
-// the combined rows, whose entries branch (and may load): less code per
-// vector, which those rows are bound by.
+// ColumnLoop::kCompact writes every vector from one plain loop instead: less
+// code per vector, for the combined rows, whose entries branch (and may load),
+// and for a decode step's rows, whose few vectors per lane wait on the fetch
+// of the code they run (docs/performance.md).
 //
 // ColumnLoop::kScalar writes a column per lane at a time, no vectors: rows of
 // one column per thread (vLLM's shape for SWA rows).

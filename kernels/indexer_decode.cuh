@@ -41,9 +41,10 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
         const bool real = num_reqs > 0 && t < mapped;
         const int b = real ? request_of(qsl, num_reqs, t) : 0;
         const int* block_row = real ? p.table.entries + (i64)b * p.table.row_stride : nullptr;
-        fill_columns(p.block_rows + t * p.block_rows_stride, c0,
-                     (int)min(p.table.cols, c0 + piece), rows.lane, DSV4_WARP_LANES,
-                     [&](int c) { return real ? block_row[c] : 0; });
+        fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, c0,
+                                           (int)min(p.table.cols, c0 + piece), rows.lane,
+                                           DSV4_WARP_LANES,
+                                           [&](int c) { return real ? block_row[c] : 0; });
         if (c0 == 0 && rows.lane == 0) {
             if (real) {
                 const i64 length = token_position(p.query.seq_lens[b], qsl[b + 1], t) + 1;
