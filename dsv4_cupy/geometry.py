@@ -54,13 +54,16 @@ def indexer_piece(num_tokens: int, columns: int, device: int) -> int:
     return WARP_PIECE
 
 
-def indexer_decode_blocks(num_tokens: int, columns: int, lengths: int, num_reqs: int,
-                          piece: int) -> int:
-    """Blocks of the indexer's decode metadata: a warp per piece of ``piece``
-    columns of each token's block-table row, and threads to zero the length
-    buffer past num_tokens and to write each request's query length."""
-    return elementwise_blocks(max(num_tokens * warp_pieces(columns, piece) * WARP_LANES,
-                                  lengths - num_tokens, num_reqs))
+def indexer_decode_blocks(num_tokens: int, pieces: int, lengths: int, num_reqs: int) -> int:
+    """Blocks of the indexer's decode metadata, which has no grid-stride loop: a
+    warp for each of a token's ``pieces`` (warp_pieces) pieces of its block-table
+    row, and a thread for each length to zero past num_tokens and for each
+    request's query length. Fewer than 2^31 pieces in all (the kernel divides
+    in 32 bits), else a ValueError naming ``block_table``."""
+    if num_tokens * pieces >= 2**31:
+        raise ValueError(f"block_table: expected fewer than 2^31 row pieces of "
+                         f"{num_tokens} tokens, got {pieces} pieces per row")
+    return cdiv(max(num_tokens * pieces * WARP_LANES, lengths - num_tokens, num_reqs), THREADS)
 
 
 #: Threads per row of the SWA and short-context rows: a warp, or for few rows four warps.

@@ -18,7 +18,8 @@ from .spec import MAX_BLOCK_SIZE
 PARAMS = Params("IndexerDecodeParams", [
     ("query", QUERY_LAYOUT), ("table", BLOCK_TABLE), ("context_lens", PTR), ("req_ids", PTR),
     ("decode_lens", PTR), ("block_rows", PTR), ("per_req_lens", PTR), ("block_rows_stride", I64),
-    ("num_tokens", I64), ("context_lens_len", I64), ("ratio", I64), ("piece_shift", I64)])
+    ("num_tokens", I64), ("context_lens_len", I64), ("ratio", I64), ("piece_shift", I64),
+    ("pieces", I64)])
 
 
 @ParallelKernel
@@ -142,15 +143,15 @@ def indexer_decode_launch(query: QueryLayout, table: Operand, context_lens: Oper
     requests; ``context_lens`` is written to its end (zeros past ``num_tokens``)."""
     context_len = context_lens.shape[0]
     piece = geometry.indexer_piece(num_tokens, table.shape[1], table.device)
-    blocks = geometry.indexer_decode_blocks(num_tokens, table.shape[1], context_len,
-                                            query.num_reqs, piece)
+    pieces = geometry.warp_pieces(table.shape[1], piece)
+    blocks = geometry.indexer_decode_blocks(num_tokens, pieces, context_len, query.num_reqs)
     return Launch(FAMILY, blocks,
                   dict(query=query, table=table_of(table), context_lens=context_lens,
                        req_ids=req_ids, decode_lens=decode_lens, block_rows=block_rows,
                        per_req_lens=per_req_lens,
                        block_rows_stride=checks.row_stride(block_rows), num_tokens=num_tokens,
                        context_lens_len=context_len, ratio=compress_ratio,
-                       piece_shift=piece.bit_length() - 1),
+                       piece_shift=piece.bit_length() - 1, pieces=pieces),
                   kernel=cpu_indexer_decode_metadata)
 
 

@@ -275,7 +275,7 @@ __device__ __forceinline__ Blocks whole_grid() { return Blocks{blockIdx.x, gridD
 
 // kLanes threads per row (a warp, or a multiple of one) in blocks of kThreads:
 // this group's first row, its lane, and the row step of a grid-stride loop
-// over rows (indexer_decode's; fill_rows has none).
+// over rows (the cache kernels'; fill_rows has none).
 template <int kLanes, int kThreads = DSV4_THREADS>
 struct RowLanes {
     static_assert(kLanes % DSV4_WARP_LANES == 0 && kThreads % kLanes == 0, "whole warps, whole blocks");

@@ -7,7 +7,9 @@
 // a padding token gets length 0, the distinct id R + (t - qsl[R]) and a zero
 // row. Every token's decode length is 1. Then the whole length buffer past
 // num_tokens is zeroed (a persistent buffer longer than the step), and each
-// request's query length goes to per_req_lens.
+// request's query length goes to per_req_lens. The grid has a thread for each
+// of these writes and a warp for each piece (geometry.indexer_decode_blocks),
+// so no loop: a loop's set-up sits ahead of a decode row's first load.
 #pragma once
 #include "common.cuh"
 
@@ -24,45 +26,44 @@ struct IndexerDecodeParams {     // build_indexer_decode_metadata
     i64 context_lens_len;
     i64 ratio;
     i64 piece_shift;             // log2 of the columns per warp (geometry.indexer_piece)
+    i64 pieces;                  // pieces per token (geometry.warp_pieces); tokens * pieces < 2^31
 };
 
 namespace dsv4 {
 __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParams& p,
                                                         const Blocks& blocks = whole_grid()) {
     const int* __restrict__ qsl = p.query.query_start_loc;
-    const i64 num_reqs = p.query.num_reqs, mapped = qsl[num_reqs];
-    const WarpRows rows(blocks);
-    // Shifts, not a run-time division: its registers would cut the step kernel's occupancy.
-    const i64 piece = 1ll << p.piece_shift;
-    const i64 pieces = p.table.cols > piece ? (p.table.cols + piece - 1) >> p.piece_shift : 1;
-    for (i64 r = rows.first; r < p.num_tokens * pieces; r += rows.step) {
-        const i64 t = quotient(r, pieces);
-        const int c0 = (int)((r - t * pieces) << p.piece_shift);
-        const bool real = num_reqs > 0 && t < mapped;
-        const int b = real ? request_of(qsl, num_reqs, t) : 0;
-        const int* block_row = real ? p.table.entries + (i64)b * p.table.row_stride : nullptr;
-        fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, c0,
-                                           (int)min(p.table.cols, c0 + piece), rows.lane,
-                                           DSV4_WARP_LANES,
-                                           [&](int c) { return real ? block_row[c] : 0; });
-        if (c0 == 0 && rows.lane == 0) {
-            if (real) {
-                const i64 length = token_position(p.query.seq_lens[b], qsl[b + 1], t) + 1;
-                p.context_lens[t] = (int)quotient(length > 0 ? length : 0, p.ratio);
-                p.req_ids[t] = b;
-            } else {
-                p.context_lens[t] = 0;
-                p.req_ids[t] = (int)(num_reqs + (t - mapped));
-            }
-            p.decode_lens[t] = 1;
+    const i64 num_reqs = p.query.num_reqs;
+    const i64 thread = blocks.index * DSV4_THREADS + threadIdx.x;
+    const i64 past = p.num_tokens + thread;
+    if (past < p.context_lens_len) p.context_lens[past] = 0;
+    if (thread < num_reqs) p.per_req_lens[thread] = qsl[thread + 1] - qsl[thread];
+    const i64 warp = thread / DSV4_WARP_LANES;
+    if (warp >= p.num_tokens * p.pieces) return;
+    // Fewer than 2^31 pieces (checked on the host): a 32-bit division.
+    const unsigned w = (unsigned)warp, per_token = (unsigned)p.pieces, token = w / per_token;
+    const i64 t = token;
+    const int c0 = (int)((w - token * per_token) << p.piece_shift);
+    const int lane = (int)(threadIdx.x % DSV4_WARP_LANES);
+    const i64 mapped = qsl[num_reqs];
+    const bool real = num_reqs > 0 && t < mapped;
+    const int b = real ? request_of(qsl, num_reqs, t) : 0;
+    const int* block_row = p.table.entries + (i64)b * p.table.row_stride;
+    fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, c0,
+                                       (int)min(p.table.cols, c0 + (1ll << p.piece_shift)), lane,
+                                       DSV4_WARP_LANES,
+                                       [&](int c) { return real ? block_row[c] : 0; });
+    if (c0 == 0 && lane == 0) {
+        if (real) {
+            const i64 length = token_position(p.query.seq_lens[b], qsl[b + 1], t) + 1;
+            p.context_lens[t] = (int)quotient(length > 0 ? length : 0, p.ratio);
+            p.req_ids[t] = b;
+        } else {
+            p.context_lens[t] = 0;
+            p.req_ids[t] = (int)(num_reqs + (t - mapped));
         }
+        p.decode_lens[t] = 1;
     }
-    const i64 stride = blocks.count * DSV4_THREADS;
-    for (i64 t = p.num_tokens + blocks.index * DSV4_THREADS + threadIdx.x;
-         t < p.context_lens_len; t += stride)
-        p.context_lens[t] = 0;
-    for (i64 b = blocks.index * DSV4_THREADS + threadIdx.x; b < num_reqs; b += stride)
-        p.per_req_lens[b] = qsl[b + 1] - qsl[b];
 }
 
 }  // namespace dsv4

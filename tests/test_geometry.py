@@ -53,6 +53,28 @@ def test_the_indexer_takes_narrow_pieces_only_for_few_warps(monkeypatch, num_tok
     assert geometry.indexer_piece(num_tokens, columns, -1) == geometry.WARP_PIECE
 
 
+@pytest.mark.parametrize("num_tokens,pieces,lengths,num_reqs", [
+    (1, 32, 8192, 1), (64, 16, 8192, 64), (256, 8, 256, 256), (3, 1, 2, 5), (0, 1, 9, 0),
+    (0, 1, 0, 0), (2**26 - 1, 32, 2**26, 2**20)])
+def test_the_indexer_decode_grid_has_a_warp_per_piece_and_a_thread_per_write(
+        num_tokens, pieces, lengths, num_reqs):
+    """The indexer's decode rows have no loop: a warp for each piece of every
+    token's row, a thread for each length past num_tokens and each request, and
+    no block more than that."""
+    blocks = geometry.indexer_decode_blocks(num_tokens, pieces, lengths, num_reqs)
+    threads = blocks * geometry.THREADS
+    needed = max(num_tokens * pieces * geometry.WARP_LANES, lengths - num_tokens, num_reqs)
+    assert threads >= needed > threads - geometry.THREADS or blocks == needed == 0
+
+
+def test_indexer_decode_pieces_past_32_bits_are_a_value_error():
+    """The kernel divides a warp's index in 32 bits."""
+    assert geometry.indexer_decode_blocks(2**26, 31, 0, 1) == 2**26 * 31 // 8
+    with pytest.raises(ValueError, match=r"^block_table: expected fewer than 2\^31 row pieces "
+                                         r"of 67108864 tokens, got 32 pieces per row$"):
+        geometry.indexer_decode_blocks(2**26, 32, 0, 1)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 512, 2**31 - 1])
 def test_a_block_per_row_within_the_grid(rows):
     """The global top-k rows have no grid-stride loop: a block each, none for no rows."""

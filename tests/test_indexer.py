@@ -165,16 +165,19 @@ def test_decode_clamps_negative_lengths_and_all_padding(kind):
     run_indexer_decode(kind, [0, 0, 0, 0], [0, 0, 0], [[1], [2], [3]], 0, 4)
 
 
+@pytest.mark.parametrize("length", [64, 70_000])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_zeroes_the_whole_tail_of_a_longer_length_buffer(kind):
-    context = to_kind(np.full(64, POISON, I32), kind)
+def test_decode_zeroes_the_whole_tail_of_a_longer_length_buffer(kind, length):
+    """Past the tokens' rows the GPU's grid has a thread for each length (274
+    blocks for 70,000), and none of them loops."""
+    context = to_kind(np.full(length, POISON, I32), kind)
     d4.build_indexer_decode_metadata(
         to_kind(np.array([0, 2], I32), kind), to_kind(np.array([9], I32), kind),
         to_kind(np.ones((1, 3), I32), kind), 5, 4,
         out=(context, None, None, to_kind(np.full((5, 3), POISON, I32), kind), None))
-    assert to_numpy(context).tolist() == [2, 2, 0, 0, 0] + [0] * 59
+    assert to_numpy(context).tolist() == [2, 2, 0, 0, 0] + [0] * (length - 5)
     # Without tokens the whole buffer is zeroed too.
-    context = to_kind(np.full(8, POISON, I32), kind)
+    context = to_kind(np.full(length, POISON, I32), kind)
     d4.build_indexer_decode_metadata(
         to_kind(np.array([0], I32), kind), to_kind(np.zeros(0, I32), kind),
         to_kind(np.zeros((0, 3), I32), kind), 0, 4, out=(context, None, None, None, None))
