@@ -35,25 +35,31 @@ struct C128AParams {
     i64 num_decode_tokens;
 };
 
+// Column e < n of a decode row: compressed row e's slot in the row's blocks.
+template <typename Divisor>
+__device__ __forceinline__ int c128a_slot(int e, const int* __restrict__ block_row,
+                                          const Divisor& bs) {
+    return block_slot(block_row[bs.div(e)], bs.size, bs.mod(e));
+}
+
 // Column e of a C128A row with n addressable rows: -1 past n; a decode row
-// (block_row != nullptr) holds block_row[e / bs] * bs + e % bs, computed in 32
-// bits like vLLM; a prefill row holds e. n never exceeds the row's
-// columns times bs, so the table read stays inside the row.
+// (block_row != nullptr) holds its slot (c128a_slot), a prefill row e. n never
+// exceeds the row's columns times bs, so the table read stays inside the row.
 template <typename Divisor>
 __device__ __forceinline__ int c128a_value(int e, int n, const int* __restrict__ block_row,
                                            const Divisor& bs) {
     if (e >= n) return DSV4_PAD_SLOT_ID;
     if (block_row == nullptr) return e;
-    return (int)((unsigned)block_row[bs.div(e)] * (unsigned)bs.size + (unsigned)bs.mod(e));
+    return c128a_slot(e, block_row, bs);
 }
 
 // Writes columns [c0, c1) of one C128A row, the block's threads sharing it.
-template <ColumnLoop kLoop = ColumnLoop::kUnrolled, typename Divisor>
+template <typename Divisor>
 __device__ __forceinline__ void c128a_columns(int* __restrict__ row, int c0, int c1, int n,
                                               const int* __restrict__ block_row,
                                               const Divisor& bs) {
-    fill_columns<kLoop>(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
-                        [&](int e) { return c128a_value(e, n, block_row, bs); });
+    fill_columns(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
+                 [&](int e) { return c128a_value(e, n, block_row, bs); });
 }
 // c128a_columns for any block size, out of line: the prefill rows and a block
 // size that is not a power of two. A decode row's code, which bounds a decode
@@ -64,13 +70,19 @@ __device__ __noinline__ void c128a_columns_out_of_line(int* __restrict__ row, in
     with_block_divisor(block_size, [&](auto bs) { c128a_columns(row, c0, c1, n, block_row, bs); });
 }
 // A decode row's piece: its columns from one plain loop (a piece holds a few
-// vectors per thread, and the unrolled loop's code is what a decode step waits on).
+// vectors per thread, and the unrolled loop's code is what a decode step waits
+// on). Its block row is null only when n is 0, when no column reads it.
 __device__ __forceinline__ void c128a_decode_columns(int* __restrict__ row, int c0, int c1, int n,
                                                      const int* __restrict__ block_row,
                                                      int block_size) {
     with_shift_divisor(
         block_size,
-        [&](auto bs) { c128a_columns<ColumnLoop::kCompact>(row, c0, c1, n, block_row, bs); },
+        [&](auto bs) {
+            fill_columns<ColumnLoop::kCompact>(row, c0, c1, (int)threadIdx.x, (int)blockDim.x,
+                                               [&](int e) {
+                return e < n ? c128a_slot(e, block_row, bs) : DSV4_PAD_SLOT_ID;
+            });
+        },
         [&] { c128a_columns_out_of_line(row, c0, c1, n, block_row, block_size); });
 }
 
@@ -119,7 +131,7 @@ __device__ __forceinline__ void c128a_piece(const RowPiece& piece, int req, PosT
         const int* block_row = in_table ? table.entries + (i64)req * table.row_stride : nullptr;
         if (piece.c0 == 0 && threadIdx.x == 0) rows.decode_lens[t] = count;
         c128a_decode_columns(rows.global_decode + t * rows.decode_stride, piece.c0, piece.c1,
-                             written, written ? block_row : nullptr, (int)g.block_size);
+                             written, block_row, (int)g.block_size);
     } else {
         c128a_columns_out_of_line(rows.prefill + (t - num_decode_tokens) * rows.prefill_stride,
                                   piece.c0, piece.c1, n, nullptr, (int)g.block_size);
