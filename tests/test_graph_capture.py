@@ -351,65 +351,113 @@ def test_a_chain_of_dependent_ops_replayed_from_a_graph(kind, programmatic):
     assert len(programmatic) == captured                    # replays launch nothing new
 
 
+def capture_and_replay(kind, run, inputs, second, outputs):
+    """run() captured once on kind's stream (torch's graph or a CuPy stream
+    capture), then the second step's host values written into the captured
+    ``inputs``, each of ``outputs`` (device array, host start) reset, and the
+    graph replayed."""
+    if kind == "torch_cuda":
+        import torch
+        graph, _ = torch_capture(run)
+        for array, value in zip(inputs, second):
+            array.copy_(torch.from_numpy(value))
+        for array, start in outputs:
+            array.copy_(torch.from_numpy(start))
+        graph.replay()
+        torch.cuda.synchronize()
+        return
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.synchronize()
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+        for array, value in zip(inputs, second):
+            array[...] = cupy.asarray(value)
+        for array, start in outputs:
+            array[...] = cupy.asarray(start)
+    graph.launch(stream)
+    stream.synchronize()
+
+
+def bf16_keys(rng, rows, width):
+    """bf16 bit patterns (float32 randn, truncated)."""
+    k = rng.standard_normal((rows, width)).astype(np.float32)
+    return (k.view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("gather", ["prefill_kv", "one_cache"])
 @pytest.mark.parametrize("kind", GPU_KINDS)
-def test_a_captured_insert_and_gather_replay_new_keys_like_the_cpu_path(kind):
-    """quantize_and_insert_k_cache then dequantize_and_gather_prefill_kv captured
-    once (torch's graph or a CuPy stream capture), replayed with new keys, slots
-    and lengths written into the captured arrays; each replay's cache and
-    workspace equal the CPU path's."""
+def test_a_captured_insert_and_gather_replay_new_keys_like_the_cpu_path(kind, gather):
+    """quantize_and_insert_k_cache then dequantize_and_gather_prefill_kv (or
+    dequantize_and_gather_k_cache at an offset) captured once, replayed with new
+    keys, slots and lengths written into the captured arrays; each replay's cache
+    and workspace equal the CPU path's."""
     rng = np.random.default_rng(21)
     tokens, requests, ratio, N, M = 40, 3, 4, 16, 16 + 70
     pages_host = np.full((24, 37440), 165, np.uint8)
     tables = rng.permutation(24).astype(I32).reshape(3, 8)
 
     def new_step():
-        k = rng.standard_normal((tokens, 512)).astype(np.float32)
-        k = (k.view(np.uint32) >> 16).astype(np.uint16)            # bf16 bits (truncated)
         slots = rng.permutation(24 * 64)[:tokens].astype(np.int64)
-        seq = rng.integers(100, 500, requests).astype(I32)
+        seq = rng.integers(100, 250, requests).astype(I32)         # inside 4 blocks of 64
         lens = np.minimum(rng.integers(1, 70, requests), seq).astype(I32)
-        return k, slots, seq, lens
+        return bf16_keys(rng, tokens, 512), slots, seq, lens
 
-    def run(arrays, pages, out):
+    def step(arrays, pages, out, tables_of):
         k, slots, seq, lens = arrays
         d4.quantize_and_insert_k_cache(k, pages, slots, 64)
-        d4.dequantize_and_gather_prefill_kv(out, pages, tables_of[0], pages, tables_of[1], seq,
-                                            lens, ratio, N, compressed_block_size=64)
+        if gather == "prefill_kv":
+            d4.dequantize_and_gather_prefill_kv(out, pages, tables_of[0], pages, tables_of[1],
+                                                seq, lens, ratio, N, compressed_block_size=64)
+        else:
+            d4.dequantize_and_gather_k_cache(out, pages, seq, lens, tables_of[1], 64, N)
 
     first, second = new_step(), new_step()
     device = [to_kind(x, kind) for x in first]
-    pages, out = to_kind(pages_host, kind), to_kind(np.full((requests, M, 512), 7, np.uint16), kind)
-    tables_of = (to_kind(tables[:, :4].copy(), kind), to_kind(tables[:, 4:].copy(), kind))
-    if kind == "torch_cuda":
-        import torch
-        graph, _ = torch_capture(lambda: run(device, pages, out))
-        for array, value in zip(device, second):
-            array.copy_(torch.from_numpy(value))
-        pages.copy_(torch.from_numpy(pages_host))
-        out.fill_(7)
-        graph.replay()
-        torch.cuda.synchronize()
-    else:
-        import cupy
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            run(device, pages, out)
-            stream.synchronize()
-            stream.begin_capture()
-            run(device, pages, out)
-            graph = stream.end_capture()
-            for array, value in zip(device, second):
-                array[...] = cupy.asarray(value)
-            pages[...] = cupy.asarray(pages_host)
-            out.fill(7)
-        graph.launch(stream)
-        stream.synchronize()
-    want_pages, want_out = pages_host.copy(), np.full((requests, M, 512), 7, np.uint16)
+    out_host = np.full((requests, M, 512), 7, np.uint16)
+    pages, out = to_kind(pages_host, kind), to_kind(out_host, kind)
     host_tables = (tables[:, :4].copy(), tables[:, 4:].copy())
-    k, slots, seq, lens = second
-    d4.quantize_and_insert_k_cache(k, want_pages, slots, 64)
-    d4.dequantize_and_gather_prefill_kv(want_out, want_pages, host_tables[0], want_pages,
-                                        host_tables[1], seq, lens, ratio, N,
-                                        compressed_block_size=64)
+    tables_of = tuple(to_kind(t, kind) for t in host_tables)
+    capture_and_replay(kind, lambda: step(device, pages, out, tables_of), device, second,
+                       [(pages, pages_host), (out, out_host)])
+    want_pages, want_out = pages_host.copy(), out_host.copy()
+    step(second, want_pages, want_out, host_tables)
     np.testing.assert_array_equal(to_numpy(pages), want_pages)
     np.testing.assert_array_equal(to_numpy(out), want_out)
+
+
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_a_captured_indexer_insert_and_gather_replay_like_the_cpu_path(kind):
+    """indexer_k_quant_and_cache then cp_gather_indexer_k_quant_cache captured
+    once, replayed with new keys, slots and request bounds; the replay's pages,
+    keys and scales equal the CPU path's."""
+    rng = np.random.default_rng(22)
+    tokens, num_pages = 30, 6
+    pages_host = np.full((num_pages, 8640), 165, np.uint8)
+    table = rng.permutation(num_pages).astype(I32).reshape(3, 2)
+
+    def new_step():
+        slots = rng.permutation(num_pages * 64)[:tokens].astype(np.int64)
+        bounds = np.concatenate([[0], np.sort(rng.integers(0, 100, 3))]).astype(I32)
+        return bf16_keys(rng, tokens, 128), slots, bounds
+
+    def step(arrays, pages, dst_k, dst_scale, table):
+        k, slots, bounds = arrays
+        cache = d4.kv_cache_view(pages, "indexer")
+        d4.indexer_k_quant_and_cache(k, cache, slots, 128, "ue8m0")
+        d4.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, bounds)
+
+    first, second = new_step(), new_step()
+    device = [to_kind(x, kind) for x in first]
+    k_host, scale_host = np.full((100, 128), 123, np.uint8), np.full((100, 4), 123, np.uint8)
+    pages, dst_k, dst_scale = (to_kind(x, kind) for x in (pages_host, k_host, scale_host))
+    device_table = to_kind(table, kind)
+    capture_and_replay(kind, lambda: step(device, pages, dst_k, dst_scale, device_table), device,
+                       second, [(pages, pages_host), (dst_k, k_host), (dst_scale, scale_host)])
+    want = [x.copy() for x in (pages_host, k_host, scale_host)]
+    step(second, *want, table)
+    for got, expected in zip((pages, dst_k, dst_scale), want):
+        np.testing.assert_array_equal(to_numpy(got), expected)
