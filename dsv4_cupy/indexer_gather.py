@@ -64,7 +64,8 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     ----------
     kv_cache : uint8 array ``[num_blocks, block_size, 132]``
         As for ``indexer_k_quant_and_cache``.
-    dst_k : uint8 (or torch float8_e4m3fn) array ``[T, 128]`` (rows contiguous)
+    dst_k : uint8 array ``[T, 128]`` (rows contiguous)
+        Or its ``float8_e4m3fn`` view (torch's; ``ml_dtypes``' on numpy).
         Row ``t`` gets position ``t - cu_seq_lens[b]`` of the request ``b``
         with ``cu_seq_lens[b] <= t < cu_seq_lens[b + 1]``; a row of no request
         (past ``cu_seq_lens[-1]``), or whose block is outside the table or the

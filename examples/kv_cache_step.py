@@ -2,7 +2,8 @@
 
 1. The step's latent KV (bf16 [tokens, 512], here random) is quantised into the
    layer's SWA cache and its compressed cache (fp8_ds_mla pages of 64 states):
-   quantize_and_insert_k_cache, per cache, with the step's slot mappings.
+   quantize_and_insert_k_cache, per cache, with the step's slot mappings (the
+   compressed one from get_compressed_slot_mapping).
 2. One prefill chunk's workspace is gathered and dequantised for the sparse
    prefill: the compressed rows at [0, N), the last gather_len SWA rows from N,
    both caches in one call (dequantize_and_gather_prefill_kv).
@@ -41,29 +42,42 @@ def main():
     print(f"SWA pages: {layout.num_states} states, {layout.page_bytes} bytes, stride "
           f"{layout.page_stride}; view {swa.shape}")
 
-    # 1. Insert: every position of the request (the prefix as earlier steps did,
-    #    then this step's tokens), and every compressed row the positions close.
+    # 1. Insert. Earlier steps wrote the prefix's latent KV and the compressed
+    #    rows it closed; this step writes its tokens' KV into the SWA cache, and
+    #    into the compressed cache the rows its tokens close (the compressor's
+    #    output at every 4th position), at the slots get_compressed_slot_mapping
+    #    gives (-1, which the insert skips, for a token that closes none).
     positions = np.arange(seq_len)
     kv = bf16_bits(rng.standard_normal((seq_len, 512)))
+    compressor_out = bf16_bits(rng.standard_normal((seq_len, 512)))
     swa_slots = swa_table[0, positions // SWA_BLOCK].astype(np.int64) * SWA_BLOCK \
         + positions % SWA_BLOCK
-    d4.quantize_and_insert_k_cache(kv, swa, swa_slots, SWA_BLOCK)
-    rows = np.arange(seq_len // RATIO)
-    compressed_kv = bf16_bits(rng.standard_normal((len(rows), 512)))
-    c4a_slots = c4a_table[0, rows // C4A_BLOCK].astype(np.int64) * C4A_BLOCK + rows % C4A_BLOCK
-    d4.quantize_and_insert_k_cache(compressed_kv, compressed, c4a_slots, C4A_BLOCK)
+    prefix_rows = np.arange(PREFILL_PREFIX // RATIO)
+    d4.quantize_and_insert_k_cache(kv[:PREFILL_PREFIX], swa, swa_slots[:PREFILL_PREFIX],
+                                   SWA_BLOCK)
+    d4.quantize_and_insert_k_cache(
+        compressor_out[RATIO - 1:PREFILL_PREFIX:RATIO], compressed,
+        c4a_table[0, prefix_rows // C4A_BLOCK].astype(np.int64) * C4A_BLOCK
+        + prefix_rows % C4A_BLOCK, C4A_BLOCK)
+    step = slice(PREFILL_PREFIX, seq_len)                   # this step's tokens
+    query_start_loc = np.array([0, PREFILL_LEN], np.int32)
+    seq_lens = np.array([seq_len], np.int32)
+    d4.quantize_and_insert_k_cache(kv[step], swa, swa_slots[step], SWA_BLOCK)
+    c4a_slots = d4.get_compressed_slot_mapping(PREFILL_LEN, swa_slots[step], query_start_loc,
+                                               seq_lens, c4a_table, C4A_BLOCK, RATIO)
+    d4.quantize_and_insert_k_cache(compressor_out[step], compressed, c4a_slots, C4A_BLOCK)
+    print(f"step: {PREFILL_LEN} tokens into the SWA cache, {int((c4a_slots >= 0).sum())} "
+          f"compressed rows")
 
     # 2. Gather the chunk's workspace: N compressed rows, then the SWA rows.
-    seq_lens = np.array([seq_len], np.int32)
-    gather_lens = d4.compute_prefill_gather_lens(np.array([0, PREFILL_LEN], np.int32), seq_lens,
-                                                 0, 1)
+    gather_lens = d4.compute_prefill_gather_lens(query_start_loc, seq_lens, 0, 1)
     N = seq_len // RATIO
     M = N + int(gather_lens[0])
     workspace = np.zeros((1, M, 512), np.uint16)
     d4.dequantize_and_gather_prefill_kv(workspace, compressed, c4a_table, swa, swa_table,
                                         seq_lens, gather_lens, RATIO, N)
     nope_error = np.abs(bits_to_float(workspace[0, :N, :448]) - bits_to_float(
-        compressed_kv[:, :448])).max()
+        compressor_out[RATIO - 1::RATIO][:N, :448])).max()
     assert (workspace[0, N:, 448:] == kv[seq_len - int(gather_lens[0]):, 448:]).all()
     print(f"workspace {workspace.shape}: {N} compressed rows (NoPE error {nope_error:.3f}), "
           f"{int(gather_lens[0])} SWA rows (RoPE exact)")
@@ -73,8 +87,8 @@ def main():
     #    prefill reads them, then gathered into a compact workspace.
     visible = np.maximum((np.arange(PREFILL_PREFIX, seq_len) + 1) // RATIO, 1)
     local = (rng.random((PREFILL_LEN, TOPK)) * visible[:, None]).astype(np.int32)
-    combined, lens = d4.combine_topk_swa_indices(local, np.array([0, PREFILL_LEN], np.int32),
-                                                 seq_lens, gather_lens, WINDOW, RATIO, TOPK, M, N)
+    combined, lens = d4.combine_topk_swa_indices(local, query_start_loc, seq_lens, gather_lens,
+                                                 WINDOW, RATIO, TOPK, M, N)
     compact = np.zeros((M, 512), np.uint16)
     remapped = np.empty_like(combined)
     _, _, count = d4.dequantize_and_gather_selected_kv(

@@ -232,6 +232,41 @@ def test_gather_cases_of_vllms_test(kind, seq_lens, gather_lens, offset):
     np.testing.assert_array_equal(to_numpy(got), want)   # valid rows exact, the rest poison
 
 
+def test_ml_dtypes_arrays_are_taken_as_their_bits():
+    """On numpy, bf16 arrives as uint16 bits or ml_dtypes.bfloat16, and the
+    indexer's fp8 keys as uint8 or ml_dtypes.float8_e4m3fn: the same bytes and
+    rows either way, returned in the dtype they came in."""
+    import ml_dtypes
+    rng = np.random.default_rng(31)
+    seq_lens, gather_lens, offset = [19, 8, 257], [6, 8, 129], 5
+    pages, table = gather_case(rng, seq_lens)
+    k, slots = random_k(rng, 9, 3.0), rng.permutation(5 * 64)[:9].astype(I64)
+    inserted = [to_numpy(pages_of("numpy", 5, 64)) for _ in range(2)]
+    d4.quantize_and_insert_k_cache(k, inserted[0], slots, 64)
+    d4.quantize_and_insert_k_cache(k.view(ml_dtypes.bfloat16), inserted[1], slots, 64)
+    np.testing.assert_array_equal(inserted[1], inserted[0])
+    out = np.full((3, offset + 260, HEAD), POISON_BF16, U16)
+    typed = out.copy().view(ml_dtypes.bfloat16)
+    args = (pages, np.array(seq_lens, I32), np.array(gather_lens, I32), table, 64, offset)
+    d4.dequantize_and_gather_k_cache(out, *args)
+    result = d4.dequantize_and_gather_k_cache(typed, *args)
+    assert result is typed and typed.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(typed.view(U16), out)
+    cache = np.full((4, 64, 132), POISON_BYTE, U8)
+    d4.indexer_k_quant_and_cache(random_k(rng, 20, 2.0)[:, :128].copy(), cache,
+                                 rng.permutation(4 * 64)[:20].astype(I64), 128, "ue8m0")
+    bounds, indexer_table = np.array([0, 7, 20], I32), np.array([[2, 0], [1, 3]], I32)
+    keys = np.full((20, 128), 123, U8)
+    typed_keys = keys.copy().view(ml_dtypes.float8_e4m3fn)
+    scales = [np.full((20, 4), 123, U8) for _ in range(2)]
+    d4.cp_gather_indexer_k_quant_cache(cache, keys, scales[0], indexer_table, bounds)
+    result = d4.cp_gather_indexer_k_quant_cache(cache, typed_keys, scales[1], indexer_table, bounds)
+    assert result[0] is typed_keys and typed_keys.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_array_equal(typed_keys.view(U8), keys)
+    np.testing.assert_array_equal(scales[1], scales[0])
+    assert (keys != 123).any()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_gather_leaves_rows_it_cannot_address(kind):
     """gather_len > seq_len, a block outside the cache, a request without a
@@ -309,12 +344,16 @@ def test_prefill_kv_equals_the_two_gathers(kind, ratio):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fuzz_insert_then_gather(kind):
+    """Random shapes, magnitudes from 1e-3 to 1e30, NaN and infinities among
+    the keys, slots and table entries outside the cache."""
     rng = np.random.default_rng(8)
-    for _ in range(4):
+    for _ in range(16):
         block_size = int(rng.choice([2, 16, 64]))
         num_pages = int(rng.integers(1, 6))
         num_tokens = int(rng.integers(0, min(40, num_pages * block_size + 6)))
-        k = random_k(rng, num_tokens, float(rng.choice([1e-3, 1, 1e4])))
+        k = random_k(rng, num_tokens, float(rng.choice([1e-3, 1, 1e4, 1e30])))
+        if k.size:                                       # a NaN, +inf, -inf among them
+            k.reshape(-1)[rng.integers(0, k.size, 3)] = [0x7FC0, 0x7F80, 0xFF80]
         # Distinct slots (two tokens of one slot race, in vLLM too), some outside.
         slots = rng.permutation(np.arange(-3, num_pages * block_size + 3))[:num_tokens]
         slots = slots.astype(I64)
