@@ -232,39 +232,45 @@ def test_gather_cases_of_vllms_test(kind, seq_lens, gather_lens, offset):
     np.testing.assert_array_equal(to_numpy(got), want)   # valid rows exact, the rest poison
 
 
-def test_ml_dtypes_arrays_are_taken_as_their_bits():
-    """On numpy, bf16 arrives as uint16 bits or ml_dtypes.bfloat16, and the
-    indexer's fp8 keys as uint8 or ml_dtypes.float8_e4m3fn: the same bytes and
-    rows either way, returned in the dtype they came in."""
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_ml_dtypes_arrays_are_taken_as_their_bits(kind):
+    """On numpy and cupy, bf16 arrives as uint16 bits or ml_dtypes.bfloat16,
+    and the indexer's fp8 keys as uint8 or ml_dtypes.float8_e4m3fn: the same
+    bytes and rows either way, returned in the dtype they came in."""
     import ml_dtypes
     rng = np.random.default_rng(31)
     seq_lens, gather_lens, offset = [19, 8, 257], [6, 8, 129], 5
     pages, table = gather_case(rng, seq_lens)
-    k, slots = random_k(rng, 9, 3.0), rng.permutation(5 * 64)[:9].astype(I64)
-    inserted = [to_numpy(pages_of("numpy", 5, 64)) for _ in range(2)]
+    k = to_kind(random_k(rng, 9, 3.0), kind)
+    slots = to_kind(rng.permutation(5 * 64)[:9].astype(I64), kind)
+    inserted = [pages_of(kind, 5, 64) for _ in range(2)]
     d4.quantize_and_insert_k_cache(k, inserted[0], slots, 64)
     d4.quantize_and_insert_k_cache(k.view(ml_dtypes.bfloat16), inserted[1], slots, 64)
-    np.testing.assert_array_equal(inserted[1], inserted[0])
-    out = np.full((3, offset + 260, HEAD), POISON_BF16, U16)
+    np.testing.assert_array_equal(to_numpy(inserted[1]), to_numpy(inserted[0]))
+    out = to_kind(np.full((3, offset + 260, HEAD), POISON_BF16, U16), kind)
     typed = out.copy().view(ml_dtypes.bfloat16)
-    args = (pages, np.array(seq_lens, I32), np.array(gather_lens, I32), table, 64, offset)
+    args = (to_kind(pages, kind), to_kind(np.array(seq_lens, I32), kind),
+            to_kind(np.array(gather_lens, I32), kind), to_kind(table, kind), 64, offset)
     d4.dequantize_and_gather_k_cache(out, *args)
     result = d4.dequantize_and_gather_k_cache(typed, *args)
     assert result is typed and typed.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(typed.view(U16), out)
-    cache = np.full((4, 64, 132), POISON_BYTE, U8)
-    d4.indexer_k_quant_and_cache(random_k(rng, 20, 2.0)[:, :128].copy(), cache,
-                                 rng.permutation(4 * 64)[:20].astype(I64), 128, "ue8m0")
-    bounds, indexer_table = np.array([0, 7, 20], I32), np.array([[2, 0], [1, 3]], I32)
-    keys = np.full((20, 128), 123, U8)
+    np.testing.assert_array_equal(to_numpy(typed.view(U16)), to_numpy(out))
+    cache = to_kind(np.full((4, 64, 132), POISON_BYTE, U8), kind)
+    d4.indexer_k_quant_and_cache(to_kind(random_k(rng, 20, 2.0)[:, :128].copy(), kind), cache,
+                                 to_kind(rng.permutation(4 * 64)[:20].astype(I64), kind), 128,
+                                 "ue8m0")
+    bounds = to_kind(np.array([0, 7, 20], I32), kind)
+    indexer_table = to_kind(np.array([[2, 0], [1, 3]], I32), kind)
+    keys = to_kind(np.full((20, 128), 123, U8), kind)
     typed_keys = keys.copy().view(ml_dtypes.float8_e4m3fn)
-    scales = [np.full((20, 4), 123, U8) for _ in range(2)]
+    scales = [to_kind(np.full((20, 4), 123, U8), kind) for _ in range(2)]
     d4.cp_gather_indexer_k_quant_cache(cache, keys, scales[0], indexer_table, bounds)
-    result = d4.cp_gather_indexer_k_quant_cache(cache, typed_keys, scales[1], indexer_table, bounds)
+    result = d4.cp_gather_indexer_k_quant_cache(cache, typed_keys, scales[1], indexer_table,
+                                                bounds)
     assert result[0] is typed_keys and typed_keys.dtype == ml_dtypes.float8_e4m3fn
-    np.testing.assert_array_equal(typed_keys.view(U8), keys)
-    np.testing.assert_array_equal(scales[1], scales[0])
-    assert (keys != 123).any()
+    np.testing.assert_array_equal(to_numpy(typed_keys.view(U8)), to_numpy(keys))
+    np.testing.assert_array_equal(to_numpy(scales[1]), to_numpy(scales[0]))
+    assert (to_numpy(keys) != 123).any()
 
 
 @pytest.mark.parametrize("kind", KINDS)
