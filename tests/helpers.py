@@ -683,6 +683,37 @@ def torch_capture(fn):
     return graph, result
 
 
+def capture_and_replay(kind, run, inputs, second, outputs):
+    """run() captured once on kind's stream (torch's graph or a CuPy stream
+    capture), then the second step's host values written into the captured
+    ``inputs``, each of ``outputs`` (device array, host start) reset, and the
+    graph replayed."""
+    if kind == "torch_cuda":
+        import torch
+        graph, _ = torch_capture(run)
+        for array, value in zip(inputs, second):
+            array.copy_(torch.from_numpy(value))
+        for array, start in outputs:
+            array.copy_(torch.from_numpy(start))
+        graph.replay()
+        torch.cuda.synchronize()
+        return
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.synchronize()
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+        for array, value in zip(inputs, second):
+            array[...] = cupy.asarray(value)
+        for array, start in outputs:
+            array[...] = cupy.asarray(start)
+    graph.launch(stream)
+    stream.synchronize()
+
+
 def builder_results(md):
     return [to_numpy(x) for x in (md.req_id_per_token, md.slot_mapping,
                                   md.c128a_global_decode_topk_indices,

@@ -11,7 +11,7 @@ import dsv4_cupy as d4
 
 from conftest import GPU_KINDS, HAS_TORCH, to_kind, to_numpy
 from helpers import (GroupOpsStep, LayerOpsStep, assert_all_equal, assert_chain, builder_results,
-                     chain_outputs, chain_step, common_metadata, expected_build,
+                     capture_and_replay, chain_outputs, chain_step, common_metadata, expected_build,
                      group_ops_expected, group_ops_steps, layer_ops_expected, layer_step_inputs,
                      make_batch, make_step, refill_arrays, refresh_group_step, run_chain,
                      torch_capture)
@@ -349,37 +349,6 @@ def test_a_chain_of_dependent_ops_replayed_from_a_graph(kind, programmatic):
         replay()
         assert_chain(outputs, step)
     assert len(programmatic) == captured                    # replays launch nothing new
-
-
-def capture_and_replay(kind, run, inputs, second, outputs):
-    """run() captured once on kind's stream (torch's graph or a CuPy stream
-    capture), then the second step's host values written into the captured
-    ``inputs``, each of ``outputs`` (device array, host start) reset, and the
-    graph replayed."""
-    if kind == "torch_cuda":
-        import torch
-        graph, _ = torch_capture(run)
-        for array, value in zip(inputs, second):
-            array.copy_(torch.from_numpy(value))
-        for array, start in outputs:
-            array.copy_(torch.from_numpy(start))
-        graph.replay()
-        torch.cuda.synchronize()
-        return
-    import cupy
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        run()
-        stream.synchronize()
-        stream.begin_capture()
-        run()
-        graph = stream.end_capture()
-        for array, value in zip(inputs, second):
-            array[...] = cupy.asarray(value)
-        for array, start in outputs:
-            array[...] = cupy.asarray(start)
-    graph.launch(stream)
-    stream.synchronize()
 
 
 def bf16_keys(rng, rows, width):

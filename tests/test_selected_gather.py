@@ -9,6 +9,7 @@ import pytest
 import dsv4_cupy as d4
 import reference as ref
 from conftest import GPU_KINDS, KINDS, to_kind, to_numpy
+from helpers import capture_and_replay
 from test_kv_cache import HEAD, I32, POISON_BF16, U16, gather_case, gather_reference
 
 WINDOW = 128
@@ -196,18 +197,9 @@ def test_a_captured_selected_gather_replays_new_indices():
             arrays["compressed_table"], arrays["swa_pages"], arrays["swa_table"],
             arrays["seq_lens"], arrays["gather_lens"], 4, case["N"], M, num_selected=count,
             scratch=scratch)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        call()
-        stream.synchronize()
-        stream.begin_capture()
-        call()
-        graph = stream.end_capture()
-        fresh = rng.integers(-3, num_reqs * M + 3, case["indices"].shape).astype(I32)
-        arrays["indices"][...] = cupy.asarray(fresh)
-        out[...] = POISON_BF16
-    graph.launch(stream)
-    stream.synchronize()
+    fresh = rng.integers(-3, num_reqs * M + 3, case["indices"].shape).astype(I32)
+    capture_and_replay("cupy", call, [arrays["indices"]], [fresh],
+                       [(out, np.full((300, HEAD), POISON_BF16, U16))])
     case["indices"] = fresh
     want_out, want_remapped, want_count = expected(case, 300)
     np.testing.assert_array_equal(remapped.get(), want_remapped)
