@@ -86,19 +86,6 @@ __device__ __forceinline__ void c128a_decode_columns(int* __restrict__ row, int 
         [&] { c128a_columns_out_of_line(row, c0, c1, n, block_row, block_size); });
 }
 
-// The piece of the row grid that this block writes: token t, columns [c0, c1).
-// A launch's blocks number below 2^31, so the division is a 32-bit one.
-struct RowPiece {
-    i64 t;
-    int c0, c1;
-    __device__ __forceinline__ RowPiece(const RowChunks& chunks, i64 width, i64 block) {
-        const unsigned b = (unsigned)block, per_row = (unsigned)chunks.chunks, row = b / per_row;
-        t = row;
-        c0 = (int)((b - row * per_row) * (unsigned)chunks.cols_per_block);
-        c1 = (int)min(width, c0 + chunks.cols_per_block);
-    }
-};
-
 // Rows among 0..n-1 that context-parallel rank g.cp_rank owns. Because the
 // block size is a multiple of the interleave (checked on the host), the k-th
 // owned row has local slot block_row[k / bs] * bs + k % bs: a rank's decode row
@@ -144,7 +131,7 @@ namespace dsv4 {
 template <typename PosT, typename SlotT, typename RequestOf>
 __device__ __forceinline__ void c128a_rows(const C128AParams& p, const Blocks& blocks,
                                            const RequestOf& request_of_token) {
-    const RowPiece piece(p.chunks, p.rows.width, blocks.index);
+    const RowPiece piece(blocks.index, p.chunks.chunks, p.chunks.cols_per_block, p.rows.width);
     if (piece.t >= p.num_tokens) return;
     const int req = piece.t < p.num_decode_tokens ? request_of_token(piece.t) : 0;
     c128a_piece(piece, req, static_cast<const PosT*>(p.positions)[piece.t],

@@ -287,6 +287,21 @@ struct RowLanes {
 };
 using WarpRows = RowLanes<DSV4_WARP_LANES>;
 
+// The piece of a grid of rows, each cut into `per_row` pieces of `cols`
+// columns, that unit `index` (a block, or a warp) writes: row t, columns
+// [c0, c1) of a row `width` wide. Units number below 2^31 (a launch's blocks;
+// the indexer's pieces, checked on the host), so the division is a 32-bit one.
+struct RowPiece {
+    i64 t;
+    int c0, c1;
+    __device__ __forceinline__ RowPiece(i64 index, i64 per_row, i64 cols, i64 width) {
+        const unsigned unit = (unsigned)index, pieces = (unsigned)per_row, row = unit / pieces;
+        t = row;
+        c0 = (int)((unit - row * pieces) * (unsigned)cols);
+        c1 = (int)min(width, c0 + cols);
+    }
+};
+
 // Row r of a row kernel is row_at(r): `.value(e)` gives column e and
 // `.length()` the row's length. kLanes threads take a row (a warp unless the
 // kernel says otherwise), every lane builds the row's state once (the same

@@ -38,22 +38,18 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
     const i64 past = p.num_tokens + thread;
     if (past < p.context_lens_len) p.context_lens[past] = 0;
     if (thread < num_reqs) p.per_req_lens[thread] = qsl[thread + 1] - qsl[thread];
-    const i64 warp = thread / DSV4_WARP_LANES;
-    if (warp >= p.num_tokens * p.pieces) return;
-    // Fewer than 2^31 pieces (checked on the host): a 32-bit division.
-    const unsigned w = (unsigned)warp, per_token = (unsigned)p.pieces, token = w / per_token;
-    const i64 t = token;
-    const int c0 = (int)((w - token * per_token) << p.piece_shift);
-    const int lane = (int)(threadIdx.x % DSV4_WARP_LANES);
+    const WarpRows warps(blocks);
+    if (warps.first >= p.num_tokens * p.pieces) return;   // fewer than 2^31 (checked on the host)
+    const RowPiece piece(warps.first, p.pieces, 1ll << p.piece_shift, p.table.cols);
+    const i64 t = piece.t;
     const i64 mapped = qsl[num_reqs];
     const bool real = num_reqs > 0 && t < mapped;
     const int b = real ? request_of(qsl, num_reqs, t) : 0;
     const int* block_row = p.table.entries + (i64)b * p.table.row_stride;
-    fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, c0,
-                                       (int)min(p.table.cols, c0 + (1ll << p.piece_shift)), lane,
-                                       DSV4_WARP_LANES,
+    fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, piece.c0, piece.c1,
+                                       warps.lane, DSV4_WARP_LANES,
                                        [&](int c) { return real ? block_row[c] : 0; });
-    if (c0 == 0 && lane == 0) {
+    if (piece.c0 == 0 && warps.lane == 0) {
         if (real) {
             const i64 length = token_position(p.query.seq_lens[b], qsl[b + 1], t) + 1;
             p.context_lens[t] = (int)quotient(length > 0 ? length : 0, p.ratio);

@@ -111,6 +111,18 @@ def poisoned(shape, dtype=np.int32):
     return np.full(shape, POISON, dtype)
 
 
+def bf16_bits(values) -> np.ndarray:
+    """float values rounded to bf16 (nearest even), as uint16 bits."""
+    bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(np.asarray(values, np.float32)), np.uint16(0x7FC0), rounded)
+
+
+def random_bf16(rng, rows, width, scale=1.0) -> np.ndarray:
+    """[rows, width] standard-normal keys times ``scale``, as bf16 bits."""
+    return bf16_bits(rng.standard_normal((rows, width)) * scale)
+
+
 # --- checks of the C128A group's ops against the reference ---
 
 

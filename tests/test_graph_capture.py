@@ -13,8 +13,8 @@ from conftest import GPU_KINDS, HAS_TORCH, to_kind, to_numpy
 from helpers import (GroupOpsStep, LayerOpsStep, assert_all_equal, assert_chain, builder_results,
                      capture_and_replay, chain_outputs, chain_step, common_metadata, expected_build,
                      group_ops_expected, group_ops_steps, layer_ops_expected, layer_step_inputs,
-                     make_batch, make_step, refill_arrays, refresh_group_step, run_chain,
-                     torch_capture)
+                     make_batch, make_step, random_bf16, refill_arrays, refresh_group_step,
+                     run_chain, torch_capture)
 
 pytestmark = pytest.mark.gpu
 I32 = np.int32
@@ -351,12 +351,6 @@ def test_a_chain_of_dependent_ops_replayed_from_a_graph(kind, programmatic):
     assert len(programmatic) == captured                    # replays launch nothing new
 
 
-def bf16_keys(rng, rows, width):
-    """bf16 bit patterns (float32 randn, truncated)."""
-    k = rng.standard_normal((rows, width)).astype(np.float32)
-    return (k.view(np.uint32) >> 16).astype(np.uint16)
-
-
 @pytest.mark.parametrize("gather", ["prefill_kv", "one_cache"])
 @pytest.mark.parametrize("kind", GPU_KINDS)
 def test_a_captured_insert_and_gather_replay_new_keys_like_the_cpu_path(kind, gather):
@@ -373,7 +367,7 @@ def test_a_captured_insert_and_gather_replay_new_keys_like_the_cpu_path(kind, ga
         slots = rng.permutation(24 * 64)[:tokens].astype(np.int64)
         seq = rng.integers(100, 250, requests).astype(I32)         # inside 4 blocks of 64
         lens = np.minimum(rng.integers(1, 70, requests), seq).astype(I32)
-        return bf16_keys(rng, tokens, 512), slots, seq, lens
+        return random_bf16(rng, tokens, 512), slots, seq, lens
 
     def step(arrays, pages, out, tables_of):
         k, slots, seq, lens = arrays
@@ -411,7 +405,7 @@ def test_a_captured_indexer_insert_and_gather_replay_like_the_cpu_path(kind):
     def new_step():
         slots = rng.permutation(num_pages * 64)[:tokens].astype(np.int64)
         bounds = np.concatenate([[0], np.sort(rng.integers(0, 100, 3))]).astype(I32)
-        return bf16_keys(rng, tokens, 128), slots, bounds
+        return random_bf16(rng, tokens, 128), slots, bounds
 
     def step(arrays, pages, dst_k, dst_scale, table):
         k, slots, bounds = arrays

@@ -15,17 +15,11 @@ import reference as ref
 from dsv4_cupy import fp8
 
 from conftest import GPU_KINDS, HAS_TORCH, KINDS, to_kind, to_numpy
+from helpers import bf16_bits, random_bf16
 
 I32, I64, U8, U16 = np.int32, np.int64, np.uint8, np.uint16
 POISON_BYTE, POISON_BF16 = 165, 0x7BAD
 HEAD, NOPE, ROPE = 512, 448, 64
-
-
-def bf16_bits(values) -> np.ndarray:
-    """float values rounded to bf16 (nearest even), as uint16 bits."""
-    bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(U16)
-    return np.where(np.isnan(np.asarray(values, np.float32)), U16(0x7FC0), rounded)
 
 
 def bf16_float(bits) -> np.ndarray:
@@ -57,7 +51,7 @@ def insert(kind, k, pages, slots, block_size, view=False):
 
 
 def random_k(rng, num_tokens, scale=1.0):
-    return bf16_bits(rng.standard_normal((num_tokens, HEAD)) * scale)
+    return random_bf16(rng, num_tokens, HEAD, scale)
 
 
 # --- the numbers ------------------------------------------------------------------------------
@@ -407,7 +401,7 @@ def page_bytes(view):
 def test_indexer_insert_and_gather_equal_the_reference(kind, scale_fmt):
     rng = np.random.default_rng(9)
     block_size, num_pages = 16, 4
-    k = bf16_bits(rng.standard_normal((21, 128)) * 5)
+    k = random_bf16(rng, 21, 128, 5.0)
     k[4, 3], k[5, 7] = 0x7FC0, 0x7F80                          # a NaN, an infinity
     slots = rng.permutation(num_pages * block_size)[:21].astype(I64)
     slots[[2, 9]] = [-1, -5]
@@ -441,7 +435,7 @@ def test_indexer_round_trips_of_vllms_test(kind):
         for block_size in (16, 64):
             for scale_fmt in ("ue8m0", "mxfp8"):
                 num_pages = -(-num_tokens // block_size) + 1
-                k = bf16_bits(rng.standard_normal((num_tokens, 128)))
+                k = random_bf16(rng, num_tokens, 128)
                 cache = indexer_pages(kind, num_pages, block_size, 0)
                 d4.indexer_k_quant_and_cache(to_kind(k, kind), cache,
                                              to_kind(np.arange(num_tokens, dtype=I64), kind),
