@@ -87,12 +87,12 @@ def div_trunc(a, b):
 
 
 @njit(cache=True, inline="always")
-def guessed_round(qsl, t, guess, lo, hi):
+def guessed_round(qsl, num_reqs, t, guess, lo, hi):
     """One round of request_of: ``(taken, lo, hi)``, the guess taken when
-    qsl[guess] <= t < qsl[guess + 1], else [lo, hi] narrowed by the search's
-    probe (common.cuh's guessed_round)."""
+    qsl[guess] <= t < qsl[guess + 1] (or qsl[guess] <= t for the last request),
+    else [lo, hi] narrowed by the search's probe (common.cuh's guessed_round)."""
     mid = (lo + hi) // 2
-    if qsl[guess] <= t and t < qsl[guess + 1]:
+    if qsl[guess] <= t and (t < qsl[guess + 1] or guess == num_reqs - 1):
         return True, guess, hi
     if qsl[mid + 1] <= t:
         return False, mid + 1, hi
@@ -102,7 +102,8 @@ def guessed_round(qsl, t, guess, lo, hi):
 @njit(cache=True, inline="always")
 def request_of(qsl, num_reqs, t):
     """The first i with qsl[i + 1] > t, else num_reqs - 1: request t, then
-    request t // qsl[1] when qsl[1] > 1, each taken when it holds t, else a
+    request t // qsl[1] when qsl[1] > 1, each taken when it holds t (the last
+    request: when t is at or past its start), else a
     binary search that never tests request num_reqs - 1, as the device
     kernel's (request_of, common.cuh: the same answer for a garbage qsl too)."""
     t = np.int64(t)                 # a prange index is unsigned
@@ -110,12 +111,12 @@ def request_of(qsl, num_reqs, t):
     hi = np.int64(num_reqs) - 1
     if lo < hi:
         first_len = np.int64(qsl[1])
-        taken, lo, hi = guessed_round(qsl, t, t if t < hi else hi, lo, hi)
+        taken, lo, hi = guessed_round(qsl, num_reqs, t, t if t < hi else hi, lo, hi)
         if taken:
             return lo
         if first_len > 1 and lo < hi:
             guess = num_reqs - 1 if t >> 32 else t // first_len
-            taken, lo, hi = guessed_round(qsl, t, min(guess, num_reqs - 1), lo, hi)
+            taken, lo, hi = guessed_round(qsl, num_reqs, t, min(guess, num_reqs - 1), lo, hi)
             if taken:
                 return lo
     while lo < hi:

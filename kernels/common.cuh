@@ -60,14 +60,16 @@ __device__ __forceinline__ i64 quotient(i64 n, i64 d) {
 }
 
 // One round of request_of's loads: the guessed request g (0 <= g < num_reqs),
-// taken when qsl[g] <= t < qsl[g + 1] (for a non-decreasing qsl the first
-// such i), and beside it the search's next probe, which narrows [lo, hi] when
-// the guess fails.
-__device__ __forceinline__ bool guessed_round(const int* __restrict__ qsl, i64 t, i64 guess,
-                                              i64& lo, i64& hi) {
+// taken when qsl[g] <= t < qsl[g + 1], or qsl[g] <= t for the last request
+// (for a non-decreasing qsl the answer: no earlier request holds t), and
+// beside it the search's next probe, which narrows [lo, hi] when the guess
+// fails. A padding token (t >= qsl[num_reqs]) is then answered in the first
+// round.
+__device__ __forceinline__ bool guessed_round(const int* __restrict__ qsl, i64 num_reqs, i64 t,
+                                              i64 guess, i64& lo, i64& hi) {
     const i64 mid = (lo + hi) >> 1;
     const i64 start = qsl[guess], end = qsl[guess + 1], probe = qsl[mid + 1];
-    if (start <= t && t < end) { lo = guess; return true; }
+    if (start <= t && (t < end || guess == num_reqs - 1)) { lo = guess; return true; }
     if (probe <= t) lo = mid + 1; else hi = mid;
     return false;
 }
@@ -85,10 +87,11 @@ __device__ __forceinline__ int request_of(const int* __restrict__ qsl, i64 num_r
     i64 lo = 0, hi = num_reqs - 1;
     if (lo < hi) {
         const i64 first_len = qsl[1];
-        if (guessed_round(qsl, t, t < hi ? t : hi, lo, hi)) return (int)lo;
+        if (guessed_round(qsl, num_reqs, t, t < hi ? t : hi, lo, hi)) return (int)lo;
         if (first_len > 1 && lo < hi) {
             const i64 guess = t >> 32 ? num_reqs - 1 : (unsigned)t / (unsigned)first_len;
-            if (guessed_round(qsl, t, guess < num_reqs - 1 ? guess : num_reqs - 1, lo, hi))
+            if (guessed_round(qsl, num_reqs, t, guess < num_reqs - 1 ? guess : num_reqs - 1,
+                              lo, hi))
                 return (int)lo;
         }
     }
@@ -100,9 +103,13 @@ __device__ __forceinline__ int request_of(const int* __restrict__ qsl, i64 num_r
 }
 
 // token_to_req_indices for token t: padding tokens (t >= qsl[num_reqs]) map to 0.
+// qsl[num_reqs] is read beside request_of's first round, not ahead of it: a
+// decode token's request costs one round of loads.
 __device__ __forceinline__ int token_request(const QueryLayout& q, i64 t) {
-    if (q.num_reqs <= 0 || t >= (i64)q.query_start_loc[q.num_reqs]) return 0;
-    return request_of(q.query_start_loc, q.num_reqs, t);
+    if (q.num_reqs <= 0) return 0;
+    const i64 mapped = q.query_start_loc[q.num_reqs];
+    const int b = request_of(q.query_start_loc, q.num_reqs, t);
+    return t < mapped ? b : 0;
 }
 
 // The position of the token at flattened index t in a request whose context

@@ -108,6 +108,27 @@ def test_a_garbage_query_layout_maps_tokens_alike_on_every_path(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_request_of_answers_every_valid_layout_as_a_search_does(kind):
+    """On a non-decreasing query_start_loc, empty requests and padding tokens
+    included, request_of's guesses (the last request taken for any token at
+    or past its start, so a padding token is answered in the first round)
+    give the first i with qsl[i + 1] > t, clamped to R - 1: numpy's search.
+    The token map maps padding tokens (t >= qsl[R]) to 0 on every path."""
+    from dsv4_cupy.cpu import request_of
+    rng = np.random.default_rng(6)
+    for _ in range(40):
+        num_reqs = int(rng.integers(1, 40))
+        lengths = rng.integers(0, 4, num_reqs) * (rng.random(num_reqs) < 0.8)
+        qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        num_tokens = int(qsl[-1]) + int(rng.integers(0, 6))        # padding tokens after
+        tokens = np.arange(num_tokens)
+        search = np.minimum(np.searchsorted(qsl[1:], tokens, side="right"), num_reqs - 1)
+        np.testing.assert_array_equal([request_of(qsl, num_reqs, t) for t in tokens], search)
+        got = d4.token_to_req_indices(to_kind(qsl, kind), num_tokens)
+        np.testing.assert_array_equal(to_numpy(got), np.where(tokens < qsl[-1], search, 0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_adversarial_empty_and_all_padding(kind):
     for batch in (make_batch([], []), make_batch([], [], pad_tokens=7),
                   make_batch([0, 0, 0], [0, 5, 10], pad_tokens=4)):
