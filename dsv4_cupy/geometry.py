@@ -17,8 +17,11 @@ MAX_PLAN_CHUNKS = 32
 MAX_GRID_STRIDE_BLOCKS = 1 << 20
 #: CUDA's largest grid (blocks in x): the bound of a kernel with no grid-stride loop.
 MAX_GRID_BLOCKS = 2**31 - 1
-#: Columns per block of a row piece: multiples of 512 keep 16-byte stores aligned.
-ROW_PIECE_SIZES = (512, 1024, 2048, 4096)
+#: int32 columns of a 16-byte store.
+VECTOR_COLUMNS = 4
+#: Columns per block of a row piece (multiples of VECTOR_COLUMNS keep 16-byte stores
+#: aligned): at least a store for each thread, so no thread of a piece idles.
+ROW_PIECE_SIZES = tuple(VECTOR_COLUMNS * THREADS << k for k in range(3))
 
 
 #: Threads of a warp (passed to kernels as DSV4_WARP_LANES): kernels with one warp per
@@ -125,7 +128,7 @@ def row_lane_blocks(num_rows: int, lanes: int = WARP_LANES, threads: int = THREA
 def topk_row_threads(width: int) -> int:
     """Threads of a global top-k row's block: a 16-byte vector of the row each,
     at most THREADS (K = 512: 128); THREADS for a run-time width (0)."""
-    return min(THREADS, width // 4) if width > 0 else THREADS
+    return min(THREADS, width // VECTOR_COLUMNS) if width > 0 else THREADS
 
 
 def grid_stride_row_blocks(num_rows: int) -> int:
@@ -159,8 +162,9 @@ def row_geometry(num_rows: int, width: int, device: int) -> tuple[int, int]:
     """(columns per block, blocks per row) for rows of ``width`` columns.
 
     The smallest piece that keeps the grid within two blocks per SM: a single
-    decode row spreads over 16 SMs, larger batches give each thread up to four
-    16-byte stores in flight.
+    decode row of a 1M context spreads over 8 SMs, larger batches give each
+    thread up to four 16-byte stores. A grid of more blocks waits longer for
+    their dispatch than it gains (docs/performance.md).
     """
     limit = 2 * sm_count(device)
     width = max(width, 1)

@@ -53,6 +53,22 @@ def test_the_indexer_takes_narrow_pieces_only_for_few_warps(monkeypatch, num_tok
     assert geometry.indexer_piece(num_tokens, columns, -1) == geometry.WARP_PIECE
 
 
+@pytest.mark.parametrize("rows,width,per_block", [
+    (1, 8192, 1024), (16, 8192, 1024), (33, 8192, 1024), (34, 8192, 2048), (64, 8192, 2048),
+    (66, 8192, 2048), (67, 8192, 4096), (256, 8192, 4096), (1, 1, 1024), (300, 0, 4096)])
+def test_c128a_row_pieces_give_every_thread_a_store_within_two_blocks_per_sm(
+        monkeypatch, rows, width, per_block):
+    """A C128A row piece holds a 16-byte store for each of a block's threads
+    at least, and is the least piece whose grid stays within two blocks per SM
+    (132 SMs: 264), or the largest; the pieces cover the row."""
+    monkeypatch.setitem(device._SM_COUNT, 0, 132)
+    got, chunks, blocks = geometry.row_chunks(rows, width, 0)
+    assert (got, blocks) == (per_block, rows * chunks)
+    assert got >= geometry.VECTOR_COLUMNS * geometry.THREADS and got % geometry.VECTOR_COLUMNS == 0
+    assert (chunks - 1) * got < max(width, 1) <= chunks * got
+    assert blocks <= 2 * 132 or got == geometry.ROW_PIECE_SIZES[-1]
+
+
 @pytest.mark.parametrize("num_tokens,pieces,lengths,num_reqs", [
     (1, 32, 8192, 1), (64, 16, 8192, 64), (256, 8, 256, 256), (3, 1, 2, 5), (0, 1, 9, 0),
     (0, 1, 0, 0), (2**26 - 1, 32, 2**26, 2**20)])
