@@ -44,7 +44,7 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
     const i64 t = piece.t;
     // qsl[num_reqs] is read beside request_of's first round (token_request's reason).
     const i64 mapped = qsl[num_reqs];
-    const int b = num_reqs > 0 ? request_of(qsl, num_reqs, t) : 0;   // a table row either way
+    const int b = num_reqs > 0 ? request_of(qsl, num_reqs, t) : 0;   // read for real tokens only
     const bool real = num_reqs > 0 && t < mapped;
     const int* block_row = p.table.entries + (i64)b * p.table.row_stride;
     fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, piece.c0, piece.c1,
