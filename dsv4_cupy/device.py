@@ -68,12 +68,14 @@ def sm_count(device: int) -> int:
     return count
 
 
-def driver_function(name: str, argtypes: tuple):
+def driver_function(name: str, argtypes: tuple, *, releases_gil: bool = True):
     """The CUDA driver's entry point ``name`` (ctypes, returning its status),
     or None where there is no driver or it is too old to have it: for what
-    CuPy has no binding of."""
+    CuPy has no binding of. ``releases_gil=False`` for a query that returns at
+    once: the call skips ctypes' release and take of the GIL."""
+    library = ctypes.CDLL if releases_gil else ctypes.PyDLL
     try:
-        function = getattr(ctypes.CDLL("libcuda.so.1"), name)
+        function = getattr(library("libcuda.so.1"), name)
     except (OSError, AttributeError):
         return None
     function.argtypes = argtypes

@@ -291,7 +291,7 @@ class PreparedLaunch:
         self.device, self.blocks, self.threads = device, blocks, threads
         self.programmatic = programmatic_launch_supported(device)
         self._configs: dict = {}    # stream -> (its CUlaunchConfig, the config's address)
-        self._read_id = loader.READ_CONTEXT_ID
+        self._read_id = loader.read_context_id
         with self._cuda.Device(device):
             self.context = loader.current_context()
             self.context_id = self._read_id(self.context)

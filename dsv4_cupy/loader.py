@@ -26,8 +26,6 @@ import re
 import threading
 from pathlib import Path
 
-import numpy as np
-
 from . import device as devices
 from .errors import KernelCompileError
 from .geometry import MAX_PLAN_CHUNKS, POSITION_LIMIT, RUN_TIME, THREADS, WARP_LANES
@@ -185,35 +183,36 @@ def current_context() -> int:
     return context
 
 
-class ContextId(threading.local):
-    """Reads a live context's id (0 where the driver cannot say) into storage
-    of the calling thread's own (ctypes releases the GIL during the call). A
-    reset primary context can come back under the same handle with a new id,
-    so (handle, id) names one context for the process's lifetime."""
-
-    def __init__(self):
-        self._read = _cu_ctx_get_id()
-        self._value = np.zeros(1, np.uint64)
-        self._address = self._value.ctypes.data
-
-    def __call__(self, context: int) -> int:
-        if self._read is None or self._read(context, self._address) != 0:
-            return 0
-        return int(self._value[0])
-
-
 @functools.lru_cache(maxsize=None)
 def _cu_ctx_get_id():
     """The driver's ``cuCtxGetId`` (CUDA 12.0+), or None."""
-    return devices.driver_function("cuCtxGetId", (ctypes.c_void_p, ctypes.c_void_p))
+    return devices.driver_function("cuCtxGetId", (ctypes.c_void_p, ctypes.c_void_p),
+                                   releases_gil=False)
 
 
-READ_CONTEXT_ID = ContextId()
+class _ContextIdReader(threading.local):
+    """``cuCtxGetId`` (None without it) and where it writes, per thread: a
+    Python thread switch can come between the call and the read of its result."""
+
+    def __init__(self):
+        self.read = _cu_ctx_get_id()
+        self.value = ctypes.c_uint64()
+        self.address = ctypes.addressof(self.value)
+
+
+def read_context_id(context: int, _reader=_ContextIdReader()) -> int:
+    """The id of the live context ``context`` (0 where the driver cannot say).
+    A reset primary context can come back under the same handle with a new
+    id, so (handle, id) names one context for the process's lifetime. Every
+    prepared launch reads it: a ctypes call that keeps the GIL."""
+    if _reader.read is None or _reader.read(context, _reader.address) != 0:
+        return 0
+    return _reader.value.value
 
 
 def context_key(context: int) -> tuple[int, int]:
     """(handle, id) of the live context ``context``: what loaded handles belong to."""
-    return context, READ_CONTEXT_ID(context)
+    return context, read_context_id(context)
 
 
 def get(family, entry: str, context: tuple | None = None):

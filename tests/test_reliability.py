@@ -237,6 +237,23 @@ def test_kernels_reload_after_a_device_reset():
     assert run.stdout.strip().endswith("True")
 
 
+@pytest.mark.gpu
+def test_threads_read_the_context_id_each_into_its_own_storage():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dsv4_cupy import loader
+    context = loader.current_context()
+    expected = loader.read_context_id(context)
+
+    def reads(_):
+        loader.current_context()     # binds the primary context in a new thread
+        return {loader.read_context_id(context) for _ in range(20_000)}
+
+    with ThreadPoolExecutor(8) as pool:
+        seen = set().union(*pool.map(reads, range(8)))
+    assert expected != 0 and seen == {expected}
+
+
 # --- 8, 9, 10: bounded work on garbage --------------------------------------------------------
 def test_a_garbage_position_does_not_size_the_output():
     gd, _, pf = d4.build_c128a_topk_metadata(np.array([1 << 40, 5], I64), 128, 1,
