@@ -42,10 +42,9 @@ __device__ __forceinline__ void indexer_decode_metadata(const IndexerDecodeParam
     if (warps.first >= p.num_tokens * p.pieces) return;   // fewer than 2^31 (checked on the host)
     const RowPiece piece(warps.first, p.pieces, 1ll << p.piece_shift, p.table.cols);
     const i64 t = piece.t;
-    // qsl[num_reqs] is read beside request_of's first round (token_request's reason).
     const i64 mapped = qsl[num_reqs];
-    const int b = num_reqs > 0 ? request_of(qsl, num_reqs, t) : 0;   // read for real tokens only
     const bool real = num_reqs > 0 && t < mapped;
+    const int b = token_request(p.query, t);    // 0 for a padding token, whose row is not read
     const int* block_row = p.table.entries + (i64)b * p.table.row_stride;
     fill_columns<ColumnLoop::kCompact>(p.block_rows + t * p.block_rows_stride, piece.c0, piece.c1,
                                        warps.lane, DSV4_WARP_LANES,
