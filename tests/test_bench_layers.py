@@ -51,7 +51,7 @@ def test_the_load_chain_kernel_compiles(arch):
     from dsv4_cupy.bench import latency
     pytest.importorskip("cupy")
     cubin = loader.compile_source(latency.source(), "common.cuh", arch)
-    assert cubin[:4] == b"\x7fELF" and b"dependent_loads" in cubin
+    assert cubin[:4] == b"\x7fELF" and b"dependent_loads" in cubin and b"only_writes" in cubin
 
 
 def test_the_decode_cases_are_set_against_a_chain_of_their_rounds():
@@ -199,6 +199,36 @@ def test_paired_host_timing_compares_each_round_with_the_floor_timed_before_it(m
     assert ratio == pytest.approx(3.0)     # the rounds' ratios: 3, 3, 6, 3, 3
     assert log[:20] == ["floor", "build"] * 10                  # the warm-up
     assert log[20:] == (["sync", "floor", "floor", "sync"] + ["build"] * 4) * 5 + ["sync"]
+
+
+@pytest.mark.gpu
+def test_the_write_floor_stores_every_vector_and_takes_longer_for_more():
+    torch = pytest.importorskip("torch")
+    from dsv4_cupy.bench import latency
+    from dsv4_cupy.bench.cli import GpuTimer
+    timer = GpuTimer(torch)
+    small = latency.write_floor_us(torch, timer, 1 << 10, 8, 256)
+    large = latency.write_floor_us(torch, timer, 64 << 20, 264, 256)
+    assert 0 < small < large
+
+
+def test_the_sections_tool_counts_the_bytes_a_run_writes_over_whole_allocations():
+    torch = pytest.importorskip("torch")
+    from dsv4_cupy.bench import sections
+    block = torch.zeros(64, dtype=torch.int32)
+    views = {"rows": block[:8].view(2, 4), "lens": block[8:10], "other": torch.zeros(4)}
+
+    class Builder:
+        def buffers(self):
+            return views
+
+    def run():     # 6 bytes, one of them equal to a fill, and a byte outside the views
+        block.view(torch.uint8)[[0, 1, 2, 3, 4]] = torch.tensor([0, 1, 0x5A, 0xA5, 7],
+                                                                dtype=torch.uint8)
+        block.view(torch.uint8)[255] = 9
+
+    assert sections.bytes_written(torch, Builder(), run) == 6
+    assert sections.bytes_written(torch, Builder(), lambda: None) == 0
 
 
 def test_the_sections_tool_runs_each_section_alone_on_its_own_blocks(monkeypatch):

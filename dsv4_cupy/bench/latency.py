@@ -46,15 +46,38 @@ extern "C" __global__ void dependent_loads(const LoadChain chain) {
     for (int i = 0; i < chain.loads; ++i) at = chain.next[at];
     chain.out[threadIdx.x] = at;
 }
+
+struct Writes {
+    int4* out;         // [vectors] 16-byte vectors
+    long long vectors;
+};
+
+// Only the stores of a launch: its grid writes `vectors` vectors, grid-stride,
+// with the streaming stores the library's row fills use.
+extern "C" __global__ void only_writes(const Writes w) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < w.vectors; i += stride)
+        __stcs(w.out + i, make_int4(-1, -1, -1, -1));
+}
 '''
 _LOAD_CHAIN = np.dtype({"names": ["next", "out", "loads"], "formats": ["<u8", "<u8", "<i4"],
                         "offsets": [0, 8, 16], "itemsize": 24})
+_WRITES = np.dtype({"names": ["out", "vectors"], "formats": ["<u8", "<i8"],
+                    "offsets": [0, 8], "itemsize": 16})
 _LANES = 32
+_VECTOR_BYTES = 16
 
 
 def source() -> str:
     """The chain kernel with the library's common header (its launch prologue)."""
     return loader.file_source("common.cuh") + _CHAIN
+
+
+def _kernel(name: str):
+    """An entry point of ``source()``, compiled for the current device (the
+    Function object holds its module loaded while it lives)."""
+    import cupy
+    return cupy.RawModule(code=source(), options=loader.options()).get_function(name).kernel
 
 
 def dependent_load_floors(torch, timer, rounds: int = 3) -> dict:
@@ -64,9 +87,7 @@ def dependent_load_floors(torch, timer, rounds: int = 3) -> dict:
     import cupy
 
     device = torch.cuda.current_device()
-    # The Function object holds its module loaded while this runs.
-    kernel = cupy.RawModule(code=source(), options=loader.options()).get_function(
-        "dependent_loads").kernel
+    kernel = _kernel("dependent_loads")
     function = kernel.ptr
     lines = torch.zeros(MAX_LOADS * _LANES, dtype=torch.int32, device="cuda")
     lines[::_LANES] = torch.arange(1, MAX_LOADS + 1, dtype=torch.int32, device="cuda") * _LANES
@@ -106,6 +127,29 @@ def dependent_load_floors(torch, timer, rounds: int = 3) -> dict:
     if int(out[0]) != MAX_LOADS * _LANES:        # the last graph replayed the longest chain
         raise RuntimeError(f"the load chain ended at {int(out[0])}, not {MAX_LOADS * _LANES}")
     return {mode: [float(np.median(t)) for t in per_load] for mode, per_load in times.items()}
+
+
+def write_floor_us(torch, timer, nbytes: int, blocks: int, threads: int) -> float:
+    """GPU time of one plain launch of ``blocks`` blocks of ``threads`` that
+    only writes ``nbytes`` (rounded up to 16-byte vectors) and reads nothing,
+    timed as ``dependent_load_floors``: what storing a launch's output costs
+    with no load ahead of the stores."""
+    import cupy
+
+    kernel = _kernel("only_writes")
+    vectors = -(-nbytes // _VECTOR_BYTES)
+    out = torch.empty(max(vectors, 1) * _VECTOR_BYTES, dtype=torch.uint8, device="cuda")
+    struct = np.zeros(1, _WRITES)
+    struct["out"], struct["vectors"] = out.data_ptr(), vectors
+    params = np.array([struct.ctypes.data], np.uint64)     # void* kernelParams[1]
+    stream = stream_getter(TORCH_CUDA, torch.cuda.current_device())
+    launch = cupy.cuda.driver.launchKernel
+    us = timer.graph_us(lambda: launch(kernel.ptr, blocks, 1, 1, threads, 1, 1, 0, stream(),
+                                       params.ctypes.data, 0))
+    torch.cuda.synchronize()
+    if vectors and int(out[-1]) != 0xFF:
+        raise RuntimeError("the write floor's kernel did not write its last vector")
+    return us
 
 
 def decode_tokens(op: str, params: dict) -> int | None:

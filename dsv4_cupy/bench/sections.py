@@ -6,8 +6,11 @@ it was built ("all"), with every section off on the same grid ("none": the
 launch and the sections' dispatch), and each section alone on its own blocks
 (the other sections' block ends rewritten in the launch's packed struct). A
 section that takes the whole step's time alone is what bounds the step
-(docs/performance.md). A tool, not a benchmark: programmatic launch is off,
-and the outputs are not checked.
+(docs/performance.md). Last, "writes": a launch of the step's grid that only
+stores as many bytes as the step writes into the builder's buffers (counted
+here), with no load ahead of them: the least time of storing the step's
+output. A tool, not a benchmark: programmatic launch is off, and the outputs
+are not checked.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import numpy as np
 from ..launch import set_programmatic_launch
 from ..step_kernel import PARAMS, SECTION_NAMES
 from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, GpuTimer, make_step
+from .latency import write_floor_us
 from .step import STEP_CASES, prepared_launches, step_case
 
 _END = struct.Struct("<q")     # StepSections' fields: int64 block ends
@@ -72,6 +76,26 @@ def time_variants(timer: GpuTimer, torch, plan) -> dict:
     return times
 
 
+def bytes_written(torch, builder, run) -> int:
+    """Bytes of the builder's buffers (their whole allocations) that ``run()``
+    writes: those that differ, after a run, from a fill they were given
+    before it, for either of two fills (no byte equals both)."""
+    storages = {}
+    for array in builder.buffers().values():
+        storage = array.untyped_storage()
+        storages[storage.data_ptr()] = (storage, array.device)
+    whole = [torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+             for storage, device in storages.values()]
+    written = [torch.zeros_like(x, dtype=torch.bool) for x in whole]
+    for fill in (0x5A, 0xA5):
+        for x in whole:
+            x.fill_(fill)
+        run()
+        for x, seen in zip(whole, written):
+            seen |= x != fill
+    return int(sum(int(seen.sum()) for seen in written))
+
+
 def main(argv=None) -> int:
     decode_cases = [case[0] for case in STEP_CASES if not case[3]]
     parser = argparse.ArgumentParser(prog="python -m dsv4_cupy.bench.sections",
@@ -95,8 +119,12 @@ def main(argv=None) -> int:
                                     args.max_num_batched_tokens)
         plan, = prepared_launches(builder, cms)
         times = time_variants(timer, torch, plan)
+        stream = torch.cuda.current_stream()
+        nbytes = bytes_written(torch, builder, lambda: plan.run(stream.cuda_stream))
+        writes = write_floor_us(torch, timer, nbytes, plan.blocks, plan.threads)
         print(f"{name}: " + " | ".join(f"{variant} {us:.2f} [{blocks}]"
-                                        for variant, (us, blocks) in times.items()))
+                                        for variant, (us, blocks) in times.items())
+              + f" | writes {writes:.2f} [{plan.blocks}] {nbytes / 1024:.0f} KiB")
     return 0
 
 
