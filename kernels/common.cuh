@@ -119,19 +119,14 @@ __device__ __forceinline__ i64 token_position(i64 seq_len, i64 query_end, i64 t)
     return seq_len - query_end + t;
 }
 
-// Compressed-cache slot of the token at flattened index i of block-table row b,
-// or DSV4_PAD_SLOT_ID. A slot exists when pos >= 0 closes a group
-// ((pos + 1) % ratio == 0) and the compressed row is owned by this
-// context-parallel rank (cp_rank < 0: by any rank; the token's own slot then
-// says whether this one holds it). Entries are read clamped at 0 (vLLM's
-// builder's clamp); a block past the row is no slot.
-__device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const BlockTable& table,
-                                               const SlotGeometry& g, int b, i64 i) {
-    const i64 qs = q.query_start_loc[b], qe = q.query_start_loc[b + 1];
-    if (i < qs || i >= qe) return DSV4_PAD_SLOT_ID;
-    const i64 pos = token_position(q.seq_lens[b], qe, i);
-    if (pos < 0 || (pos + 1) % g.ratio != 0) return DSV4_PAD_SLOT_ID;
-    const i64 c = pos / g.ratio;
+// Compressed-cache slot of compressed row c (>= 0) of block-table row b under
+// any geometry; -1 when another context-parallel rank owns it (cp_rank >= 0)
+// or its block is past the row. Entries are read clamped at 0 (vLLM's
+// builder's clamp). Out of line: a decode token's code, under one rank and
+// power-of-two sizes (every DeepSeek-V4 geometry), has only shifts and masks
+// and no stretch of 64-bit divisions to branch over (dcp_rank_rows).
+__device__ __noinline__ i64 compressed_row_slot(const BlockTable& table, const SlotGeometry& g,
+                                                int b, i64 c) {
     const i64 virtual_block = g.block_size * g.cp_world_size;
     const i64 blk = c / virtual_block;
     const i64 v = c - blk * virtual_block;
@@ -142,6 +137,31 @@ __device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const Block
                     v % g.cp_interleave;
     const i64 entry = table.entries[(i64)b * table.row_stride + blk];
     return (entry > 0 ? entry : 0) * g.block_size + off;
+}
+
+// Compressed-cache slot of the token at flattened index i of block-table row b,
+// or DSV4_PAD_SLOT_ID. A slot exists when pos >= 0 closes a group
+// ((pos + 1) % ratio == 0) and the compressed row pos / ratio is owned by
+// this context-parallel rank (cp_rank < 0: by any rank; the token's own slot
+// then says whether this one holds it): compressed_row_slot. Under one rank
+// the row's slot is the k-th of its block, which with power-of-two sizes is
+// shifts and masks, the same values.
+__device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const BlockTable& table,
+                                               const SlotGeometry& g, int b, i64 i) {
+    const i64 qs = q.query_start_loc[b], qe = q.query_start_loc[b + 1];
+    if (i < qs || i >= qe) return DSV4_PAD_SLOT_ID;
+    const i64 pos = token_position(q.seq_lens[b], qe, i);
+    if (pos < 0) return DSV4_PAD_SLOT_ID;
+    if (g.cp_world_size == 1 && __popcll(g.ratio) == 1 && __popcll(g.block_size) == 1) {
+        if (((pos + 1) & (g.ratio - 1)) != 0) return DSV4_PAD_SLOT_ID;
+        const i64 c = pos >> (__ffsll(g.ratio) - 1);
+        const i64 blk = c >> (__ffsll(g.block_size) - 1);
+        if (blk >= table.cols) return DSV4_PAD_SLOT_ID;
+        const i64 entry = table.entries[(i64)b * table.row_stride + blk];
+        return (entry > 0 ? entry : 0) * g.block_size + (c & (g.block_size - 1));
+    }
+    if ((pos + 1) % g.ratio != 0) return DSV4_PAD_SLOT_ID;
+    return compressed_row_slot(table, g, b, pos / g.ratio);
 }
 
 // Element i of a compressed slot mapping: the slot of the token at flattened

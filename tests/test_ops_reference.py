@@ -44,6 +44,21 @@ def test_c128a_dtypes(kind, positions_dtype, slot_dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ratio, storage_block_size", [(4, 3), (4, 48), (6, 8), (128, 5)])
+def test_sizes_that_are_not_powers_of_two(kind, ratio, storage_block_size):
+    """DeepSeek-V4's ratios and storage blocks are powers of two, which the
+    kernels' decode rows take as shifts and masks; any other size takes the
+    divisions, with the same results."""
+    rng = np.random.default_rng(ratio * storage_block_size)
+    for _ in range(10):
+        batch = random_batch(rng, ratio=ratio, max_prefill_len=300,
+                             block_size=ratio * storage_block_size)
+        assert batch.storage_block_size == storage_block_size
+        check_slot_mapping(batch, kind)
+        check_c128a(batch, kind, 256)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cp", [(2, 0, 1), (2, 1, 1), (4, 3, 2), (8, 5, 4)])
 def test_slot_mapping_context_parallel(kind, cp):
     rng = np.random.default_rng(cp[0] * 10 + cp[1])
