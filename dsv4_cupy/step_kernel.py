@@ -25,7 +25,7 @@ SECTIONS = (("token_map", token_map.PARAMS), ("group_slots", slot_mapping.PARAMS
 SECTION_NAMES = tuple(name for name, _ in SECTIONS)
 STEP_SECTIONS = Group("StepSections", [(name, I64) for name in SECTION_NAMES], module=__name__)
 StepSections = STEP_SECTIONS.record
-PARAMS = Params("StepParams", [*SECTIONS, ("sections", STEP_SECTIONS),
+PARAMS = Params("StepParams", [("sections", STEP_SECTIONS), *SECTIONS,
                                ("swa_slot_mapping", PTR), ("is_valid_out", PTR)])
 
 

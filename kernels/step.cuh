@@ -51,6 +51,7 @@ struct StepSections {            // cumulative block ends, in order; equal ends:
 };
 
 struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the group builder)
+    StepSections sections;       // first: every block reads it before its section's fields
     TokenMapParams token_map;    // the group's token->request map
     SlotMappingParams group_slots;   // the group's compressed slot mapping (ratio > 1)
     C128AParams c128a;           // token_to_req unused (computed from token_map.query)
@@ -64,7 +65,6 @@ struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the
     PrefillCombineParams c128a_combine;
     PrefillCombineParams swa_combine;
     ShortContextParams short_context;
-    StepSections sections;
     const void* swa_slot_mapping;  // [num_tokens] int32 or int64 (s32/s64): validity of SWA rows
     unsigned char* is_valid_out; // [num_tokens] bool: swa_slot_mapping >= 0
 };
