@@ -119,24 +119,31 @@ __device__ __forceinline__ i64 token_position(i64 seq_len, i64 query_end, i64 t)
     return seq_len - query_end + t;
 }
 
+// Slot `within` of column blk of block-table row b, or DSV4_PAD_SLOT_ID when
+// blk is past the row. Entries are read clamped at 0 (vLLM's builder's clamp).
+__device__ __forceinline__ i64 table_slot(const BlockTable& table, int b, i64 blk, i64 block_size,
+                                          i64 within) {
+    if (blk >= table.cols) return DSV4_PAD_SLOT_ID;
+    const i64 entry = table.entries[(i64)b * table.row_stride + blk];
+    return (entry > 0 ? entry : 0) * block_size + within;
+}
+
 // Compressed-cache slot of compressed row c (>= 0) of block-table row b under
 // any geometry; -1 when another context-parallel rank owns it (cp_rank >= 0)
-// or its block is past the row. Entries are read clamped at 0 (vLLM's
-// builder's clamp). Out of line: a decode token's code, under one rank and
-// power-of-two sizes (every DeepSeek-V4 geometry), has only shifts and masks
-// and no stretch of 64-bit divisions to branch over (dcp_rank_rows).
+// or its block is past the row (table_slot). Out of line: a decode token's
+// code, under one rank and power-of-two sizes (every DeepSeek-V4 geometry),
+// has only shifts and masks and no stretch of 64-bit divisions to branch over
+// (dcp_rank_rows).
 __device__ __noinline__ i64 compressed_row_slot(const BlockTable& table, const SlotGeometry& g,
                                                 int b, i64 c) {
     const i64 virtual_block = g.block_size * g.cp_world_size;
     const i64 blk = c / virtual_block;
     const i64 v = c - blk * virtual_block;
     const bool other_rank = g.cp_rank >= 0 && (v / g.cp_interleave) % g.cp_world_size != g.cp_rank;
-    if (other_rank || blk >= table.cols)
-        return DSV4_PAD_SLOT_ID;
-    const i64 off = (v / (g.cp_world_size * g.cp_interleave)) * g.cp_interleave +
-                    v % g.cp_interleave;
-    const i64 entry = table.entries[(i64)b * table.row_stride + blk];
-    return (entry > 0 ? entry : 0) * g.block_size + off;
+    if (other_rank) return DSV4_PAD_SLOT_ID;
+    const i64 within = (v / (g.cp_world_size * g.cp_interleave)) * g.cp_interleave +
+                       v % g.cp_interleave;
+    return table_slot(table, b, blk, g.block_size, within);
 }
 
 // Compressed-cache slot of the token at flattened index i of block-table row b,
@@ -155,10 +162,8 @@ __device__ __forceinline__ i64 compressed_slot(const QueryLayout& q, const Block
     if (g.cp_world_size == 1 && __popcll(g.ratio) == 1 && __popcll(g.block_size) == 1) {
         if (((pos + 1) & (g.ratio - 1)) != 0) return DSV4_PAD_SLOT_ID;
         const i64 c = pos >> (__ffsll(g.ratio) - 1);
-        const i64 blk = c >> (__ffsll(g.block_size) - 1);
-        if (blk >= table.cols) return DSV4_PAD_SLOT_ID;
-        const i64 entry = table.entries[(i64)b * table.row_stride + blk];
-        return (entry > 0 ? entry : 0) * g.block_size + (c & (g.block_size - 1));
+        return table_slot(table, b, c >> (__ffsll(g.block_size) - 1), g.block_size,
+                          c & (g.block_size - 1));
     }
     if ((pos + 1) % g.ratio != 0) return DSV4_PAD_SLOT_ID;
     return compressed_row_slot(table, g, b, pos / g.ratio);
