@@ -231,6 +231,33 @@ def test_the_sections_tool_counts_the_bytes_a_run_writes_over_whole_allocations(
     assert sections.bytes_written(torch, Builder(), lambda: None) == 0
 
 
+def test_the_sections_tool_builds_the_step_in_the_indexer_layout_it_is_given(monkeypatch):
+    """``--indexer-decode-layout`` reaches the step builder the tool times
+    (the bench's step is otherwise built as ``bench.step.step_case`` builds it)."""
+    pytest.importorskip("torch")
+    import dsv4_cupy as d4
+    from dsv4_cupy.bench import sections, step
+
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def builder(*args, **kwargs):
+        built.append(kwargs["indexer_decode_layout"])
+        raise Stop
+
+    monkeypatch.setattr(step, "_group_metadata", lambda *args: {})
+    monkeypatch.setattr(d4, "DeepseekV4StepMetadataBuilder", builder)
+    monkeypatch.setattr(sections, "set_programmatic_launch", lambda enabled: True)  # global
+    for argv, want in (([], "flat"), (["--indexer-decode-layout", "native"], "native")):
+        with pytest.raises(Stop):
+            sections.main(["--case", "decode 16x1", *argv])
+        assert built.pop() == want
+    with pytest.raises(SystemExit):
+        sections.main(["--indexer-decode-layout", "paged"])
+
+
 def test_the_sections_tool_runs_each_section_alone_on_its_own_blocks(monkeypatch):
     """``bench.sections`` on a decode step's prepared launch (the GPU path's
     host side, emulated): "all" as built, "none" every section off on the

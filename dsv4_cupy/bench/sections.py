@@ -9,8 +9,10 @@ section that takes the whole step's time alone is what bounds the step
 (docs/performance.md). Last, "writes": a launch of the step's grid that only
 stores as many bytes as the step writes into the builder's buffers (counted
 here), with no load ahead of them: the least time of storing the step's
-output. A tool, not a benchmark: programmatic launch is off, and the outputs
-are not checked.
+output. The step is the bench's, its indexer's decode rows in the flat layout
+unless ``--indexer-decode-layout native`` (vLLM's sm_90 path) is given. A
+tool, not a benchmark: programmatic launch is off, and the outputs are not
+checked.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import struct
 import numpy as np
 
 from ..launch import set_programmatic_launch
+from ..step_indexer import INDEXER_DECODE_LAYOUTS
 from ..step_kernel import PARAMS, SECTION_NAMES
 from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, GpuTimer, make_step
 from .latency import write_floor_us
@@ -105,6 +108,9 @@ def main(argv=None) -> int:
                         help="a decode case of the whole-step bench (default: all of them)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=STEP_MAX_TOKENS,
                         help=f"the builder's buffers (default {STEP_MAX_TOKENS}, the bench's)")
+    parser.add_argument("--indexer-decode-layout", choices=INDEXER_DECODE_LAYOUTS, default="flat",
+                        help="the indexer's decode rows: flat (the bench's; vLLM's sm_100 and "
+                             "flattening paths) or native (vLLM's sm_90 path)")
     args = parser.parse_args(argv)
     import torch
 
@@ -116,7 +122,7 @@ def main(argv=None) -> int:
         if name not in (args.case or decode_cases):
             continue
         _, cms, builder = step_case(torch, d4, index, make_step, MAX_MODEL_LEN,
-                                    args.max_num_batched_tokens)
+                                    args.max_num_batched_tokens, args.indexer_decode_layout)
         plan, = prepared_launches(builder, cms)
         times = time_variants(timer, torch, plan)
         stream = torch.cuda.current_stream()

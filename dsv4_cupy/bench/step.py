@@ -137,17 +137,20 @@ def prepared_launches(builder, cms) -> list:
     return launches
 
 
-def step_case(torch, d4, index: int, make_step, max_model_len: int, max_tokens: int) -> tuple:
+def step_case(torch, d4, index: int, make_step, max_model_len: int, max_tokens: int,
+              indexer_decode_layout: str = "flat") -> tuple:
     """``(step, cms, builder)`` of ``STEP_CASES[index]`` as the bench builds
     it: the step (``make_step``'s, seeded by the case), one
     ``CommonAttentionMetadata`` per group on the GPU, and the step builder
-    (combined prefill rows when the case has prefills)."""
+    (combined prefill rows when the case has prefills; the indexer's decode
+    rows in ``indexer_decode_layout``)."""
     _, requests, query, prefills = STEP_CASES[index]
     step = make_step(requests, query, prefills, 40 + index)
     cms = _group_metadata(torch, d4, step, np.random.default_rng(index))
     builder = d4.DeepseekV4StepMetadataBuilder(max_model_len, max_tokens,
                                                num_speculative_tokens=query - 1,
-                                               combined_prefill=bool(prefills), like="torch")
+                                               combined_prefill=bool(prefills), like="torch",
+                                               indexer_decode_layout=indexer_decode_layout)
     return step, cms, builder
 
 
