@@ -26,7 +26,7 @@ from ..step_indexer import INDEXER_DECODE_LAYOUTS
 from ..step_kernel import PARAMS, SECTION_NAMES
 from .cli import MAX_MODEL_LEN, STEP_MAX_TOKENS, GpuTimer, make_step
 from .latency import write_floor_us
-from .step import STEP_CASES, prepared_launches, step_case
+from .step import INDEXER_DECODE_LAYOUT, STEP_CASES, prepared_launches, step_case
 
 _END = struct.Struct("<q")     # StepSections' fields: int64 block ends
 _END_AT = {name: PARAMS.offset_of("sections", name) for name in SECTION_NAMES}
@@ -108,9 +108,11 @@ def main(argv=None) -> int:
                         help="a decode case of the whole-step bench (default: all of them)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=STEP_MAX_TOKENS,
                         help=f"the builder's buffers (default {STEP_MAX_TOKENS}, the bench's)")
-    parser.add_argument("--indexer-decode-layout", choices=INDEXER_DECODE_LAYOUTS, default="flat",
-                        help="the indexer's decode rows: flat (the bench's; vLLM's sm_100 and "
-                             "flattening paths) or native (vLLM's sm_90 path)")
+    parser.add_argument("--indexer-decode-layout", choices=INDEXER_DECODE_LAYOUTS,
+                        default=INDEXER_DECODE_LAYOUT,
+                        help="the indexer's decode rows: flat (vLLM's sm_100 and flattening "
+                             "paths) or native (vLLM's sm_90 path); default the bench's, "
+                             f"{INDEXER_DECODE_LAYOUT}")
     args = parser.parse_args(argv)
     import torch
 

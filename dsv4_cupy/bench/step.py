@@ -35,6 +35,9 @@ STEP_CASES = (("decode 1x1", 1, 1, []), ("decode 16x1", 16, 1, []), ("decode 64x
               ("decode 256x1", 256, 1, []), ("decode 128x2", 128, 2, []),
               ("mixed 64+2048", 64, 1, [2048]), ("mixed 64+4x512", 64, 1, [512] * 4),
               ("mixed 64+64x32", 64, 1, [32] * 64))   # 16 chunks of PREFILL_CHUNK_SIZE requests
+#: The indexer's decode layout of the bench's steps: vLLM's sm_100 (and
+#: flattening) path, as in every earlier run (``bench.sections`` can time the other).
+INDEXER_DECODE_LAYOUT = "flat"
 #: The decode step the mixed steps' host time is compared with (their decodes alone).
 PREFILL_DECODES_CASE = "decode 64x1"
 
@@ -138,7 +141,7 @@ def prepared_launches(builder, cms) -> list:
 
 
 def step_case(torch, d4, index: int, make_step, max_model_len: int, max_tokens: int,
-              indexer_decode_layout: str = "flat") -> tuple:
+              indexer_decode_layout: str = INDEXER_DECODE_LAYOUT) -> tuple:
     """``(step, cms, builder)`` of ``STEP_CASES[index]`` as the bench builds
     it: the step (``make_step``'s, seeded by the case), one
     ``CommonAttentionMetadata`` per group on the GPU, and the step builder
