@@ -88,11 +88,15 @@ __device__ __forceinline__ void prefill_combine(const PrefillCombineParams& p, c
 }
 
 // The block range of the section that ends at block `end`, the previous ending at `start`.
+// `in` is asked in grid order (earlier sections ruled out); `within` out of order.
 struct Section {
     i64 block;
     __device__ __forceinline__ bool in(i64 start, i64 end, Blocks& blocks) const {
         blocks = Blocks{block - start, end - start};
         return block < end;
+    }
+    __device__ __forceinline__ bool within(i64 start, i64 end, Blocks& blocks) const {
+        return block >= start && in(start, end, blocks);
     }
 };
 
@@ -101,13 +105,15 @@ __device__ __forceinline__ void step_metadata(const StepParams& p) {
     const StepSections& s = p.sections;
     const Section at{(i64)blockIdx.x};
     Blocks b;
-    if (at.in(0, s.token_map, b)) {
+    // The C128A rows are tested first: a decode step's longest blocks reach
+    // their code with one test (docs/performance.md).
+    if (at.within(s.group_slots, s.c128a, b)) {
+        c128a_rows<PosT, SlotT>(p.c128a, b,
+                                [&](i64 t) { return token_request(p.token_map.query, t); });
+    } else if (at.in(0, s.token_map, b)) {
         token_to_req_indices(p.token_map, b);
     } else if (at.in(s.token_map, s.group_slots, b)) {
         compressed_slot_mapping<SlotT>(p.group_slots, b);
-    } else if (at.in(s.group_slots, s.c128a, b)) {
-        c128a_rows<PosT, SlotT>(p.c128a, b,
-                                [&](i64 t) { return token_request(p.token_map.query, t); });
     } else if (at.in(s.c128a, s.swa, b)) {
         const SlotT* __restrict__ swa_slots = static_cast<const SlotT*>(p.swa_slot_mapping);
         swa_rows<DSV4_RUN_TIME, DSV4_RUN_TIME, DSV4_WARP_LANES>(p.swa, b, [&](i64 t) {
