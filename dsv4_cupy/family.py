@@ -116,6 +116,8 @@ class KernelFamily:
 # --- axes -------------------------------------------------------------------------------------
 POSITIONS_AXIS = Axis("positions", "p", (INT32, INT64))
 SLOT_MAPPING_AXIS = Axis("slot_mapping", "s", (INT32, INT64))
+#: Whether the step kernel's grid starts at StepParams.first_block (step_kernel.first_block).
+ROTATED_GRID_AXIS = Axis("rotated", "r", (0, 1))
 #: Row widths, block sizes and ratios compiled in beside the run-time kernel:
 #: DeepSeek-V4's (shorter code on a decode launch's chain).
 SWA_WINDOW_AXIS = Axis("window", "w", (RUN_TIME, SWA_WINDOW_SIZE))

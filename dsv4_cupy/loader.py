@@ -236,6 +236,17 @@ def get(family, entry: str, context: tuple | None = None):
         return function
 
 
+@functools.lru_cache(maxsize=None)
+def resident_blocks(family, entry: str, threads: int, device: int) -> int:
+    """Blocks of ``threads`` threads of ``family``'s entry point ``entry`` that
+    ``device`` holds at once (a wave: its SMs times the driver's occupancy)."""
+    cuda = devices.cupy_module().cuda
+    with cuda.Device(device):
+        function = get(family, entry)
+        per_sm = cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, 0)
+    return per_sm * devices.sm_count(device)
+
+
 def forget_context(context: tuple) -> None:
     """Drop every module and function loaded into ``context`` (gone or reset). Its
     modules died with it, so they are not unloaded again (an invalid handle)."""

@@ -456,7 +456,8 @@ class DeepseekV4StepMetadataBuilder:
         variant = group.step_variant(plan.arrays)
         return [step_launch(variant, sections, plan.swa_slot_mapping,
                             checks.rows_of(self._op(self.is_valid_token_buffer), 0,
-                                           plan.num_tokens)),
+                                           plan.num_tokens),
+                            self.device),
                 *(step_launch(variant, {name: piece}) for name, piece in extra)]
 
     def _layout_sections(self, plan: StepPlan) -> dict:

@@ -8,9 +8,10 @@ from numba import njit
 
 from . import (c128a, combine, indexer_decode, indexer_native_decode, indexer_prefill,
                prefill_gather, short_context, slot_mapping, swa, token_map)
-from .family import POSITIONS_AXIS, SLOT_MAPPING_AXIS, KernelFamily
+from .family import POSITIONS_AXIS, ROTATED_GRID_AXIS, SLOT_MAPPING_AXIS, KernelFamily
 from .kinds import BOOL, INT64, Operand
 from .launch import Launch, optional
+from .loader import resident_blocks
 from .params import I64, PTR, Group, Params
 
 #: The step kernel's sections, in grid order: each is one family's struct.
@@ -26,7 +27,8 @@ SECTION_NAMES = tuple(name for name, _ in SECTIONS)
 STEP_SECTIONS = Group("StepSections", [(name, I64) for name in SECTION_NAMES], module=__name__)
 StepSections = STEP_SECTIONS.record
 PARAMS = Params("StepParams", [("sections", STEP_SECTIONS), *SECTIONS,
-                               ("swa_slot_mapping", PTR), ("is_valid_out", PTR)])
+                               ("swa_slot_mapping", PTR), ("is_valid_out", PTR),
+                               ("first_block", I64)])
 
 
 @njit(cache=True)
@@ -38,18 +40,37 @@ def cpu_step_validity(swa_slot_mapping, is_valid_out):
 
 
 #: Fused: every step-level output of both builders in one launch, a section per family.
-FAMILY = KernelFamily("step.cuh", "step_metadata", PARAMS, (POSITIONS_AXIS, SLOT_MAPPING_AXIS))
+FAMILY = KernelFamily("step.cuh", "step_metadata", PARAMS,
+                      (POSITIONS_AXIS, SLOT_MAPPING_AXIS, ROTATED_GRID_AXIS))
 CPU_KERNEL = cpu_step_validity
 FAMILIES = (FAMILY,)
 
 
+#: The section whose blocks a grid past one wave runs first: in a decode step
+#: its blocks end last on their SMs, and past one wave they were the second
+#: wave (docs/performance.md).
+LEADING_SECTION = "indexer_decode"
+
+
+def first_block(ends: dict, resident: int) -> int:
+    """``StepParams.first_block`` of a grid of ``ends``' blocks (``StepSections``):
+    ``LEADING_SECTION``'s first block when the grid is more than ``resident``
+    blocks (a wave) and that section has blocks, else 0."""
+    start = ends[SECTION_NAMES[SECTION_NAMES.index(LEADING_SECTION) - 1]]
+    if ends[SECTION_NAMES[-1]] > resident and ends[LEADING_SECTION] > start:
+        return start
+    return 0
+
+
 def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None = None,
-                is_valid_out: Operand | None = None) -> Launch:
+                is_valid_out: Operand | None = None, device: int = -1) -> Launch:
     """The step kernel with ``sections`` on (name: its family's ``Launch``) and
     every other section off. ``variant`` names the step's positions and
     slot-mapping dtypes. With an SWA section, its rows' validity comes from
     ``swa_slot_mapping`` (``>= 0``), written to ``is_valid_out`` (rows of the
-    step's tokens)."""
+    step's tokens). On GPU ``device`` (not -1) a grid past one wave starts
+    at ``first_block`` (the rotated entry point); elsewhere, and on the CPU,
+    the grid runs the sections in order."""
     unknown = set(sections) - set(SECTION_NAMES)
     if unknown:
         raise KeyError(f"step_launch: no step-kernel section named {sorted(unknown)}")
@@ -59,7 +80,13 @@ def step_launch(variant: dict, sections: dict, swa_slot_mapping: Operand | None 
         total += section.blocks if section is not None else 0
         ends[name] = total
         inputs[name] = section if section is not None else layout.off
-    inputs.update(sections=StepSections(**ends),
+    in_order = {**variant, "rotated": 0}
+    first = 0
+    if device >= 0 and total:
+        first = first_block(ends, resident_blocks(FAMILY, FAMILY.entry_name(in_order),
+                                                  FAMILY.threads(in_order), device))
+    variant = {**variant, "rotated": int(first > 0)}
+    inputs.update(sections=StepSections(**ends), first_block=first,
                   swa_slot_mapping=optional(swa_slot_mapping, INT64),
                   is_valid_out=optional(is_valid_out, BOOL))
     return Launch(FAMILY, total, inputs, variant=variant, kernel=cpu_step_validity,

@@ -67,6 +67,8 @@ struct StepParams {              // DeepseekV4StepMetadataBuilder.build (and the
     ShortContextParams short_context;
     const void* swa_slot_mapping;  // [num_tokens] int32 or int64 (s32/s64): validity of SWA rows
     unsigned char* is_valid_out; // [num_tokens] bool: swa_slot_mapping >= 0
+    i64 first_block;             // kRotated: the block of the sections' order that grid
+                                 // block 0 runs, < gridDim.x (step_kernel.first_block)
 };
 
 namespace dsv4 {
@@ -100,10 +102,18 @@ struct Section {
     }
 };
 
-template <typename PosT, typename SlotT>
+template <typename PosT, typename SlotT, int kRotated>
 __device__ __forceinline__ void step_metadata(const StepParams& p) {
     const StepSections& s = p.sections;
-    const Section at{(i64)blockIdx.x};
+    // A grid past one wave runs the sections' order from first_block on,
+    // wrapping round, so its longest blocks start first; an entry point of
+    // its own, so a grid of one wave runs code without it (docs/performance.md).
+    unsigned block = blockIdx.x;
+    if (kRotated) {
+        block += (unsigned)p.first_block;
+        if (block >= gridDim.x) block -= gridDim.x;
+    }
+    const Section at{(i64)block};
     Blocks b;
     // The C128A rows are tested first: a decode step's longest blocks reach
     // their code with one test (docs/performance.md).

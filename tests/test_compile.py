@@ -35,10 +35,12 @@ def test_entry_points_follow_the_declared_dtype_axes():
     assert token_map.FAMILY.entry_points() == ["token_to_req_indices"]
     assert slot_mapping.FAMILY.entry_points() == ["compressed_slot_mapping_s32",
                                                     "compressed_slot_mapping_s64"]
-    for family in (c128a.FAMILY, step_kernel.FAMILY):
-        assert family.entry_points() == [f"{family.function}_p{p}_s{s}"
-                                         for p in (32, 64) for s in (32, 64)]
-    assert "step_metadata<long long, int>(p)" in step_kernel.FAMILY.stubs()
+    assert c128a.FAMILY.entry_points() == [f"c128a_topk_metadata_p{p}_s{s}"
+                                           for p in (32, 64) for s in (32, 64)]
+    assert step_kernel.FAMILY.entry_points() == [f"step_metadata_p{p}_s{s}_r{r}"
+                                                 for p in (32, 64) for s in (32, 64)
+                                                 for r in (0, 1)]
+    assert "step_metadata<long long, int, 1>(p)" in step_kernel.FAMILY.stubs()
 
 
 def test_int_axes_compile_widths_in_beside_the_run_time_kernel():

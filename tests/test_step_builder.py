@@ -580,6 +580,52 @@ def test_the_step_kernel_refuses_a_section_it_does_not_have():
         step_launch({}, {"swa_rows": None})
 
 
+def test_a_grid_past_one_wave_starts_at_the_indexers_decode_rows():
+    from dsv4_cupy.step_kernel import SECTION_NAMES, first_block
+    sizes = dict.fromkeys(SECTION_NAMES, 0) | {"token_map": 3, "c128a": 40, "swa": 5,
+                                                "indexer_decode": 30}
+    ends = dict(zip(SECTION_NAMES, np.cumsum(list(sizes.values())).tolist()))
+    assert ends["gather"] == 48 and ends["short_context"] == 78
+    assert first_block(ends, 77) == 48
+    assert first_block(ends, 78) == 0                   # one wave: in order
+    no_indexer = dict(ends, indexer_decode=48, indexer_native_decode=48, indexer_prefill=48,
+                      c128a_combine=48, swa_combine=48, short_context=48)
+    assert first_block(no_indexer, 1) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_steps_started_at_the_indexers_decode_rows_equal_the_single_ops(kind, monkeypatch):
+    """With a wave of one block every step's grid starts at the indexer's
+    decode rows (StepParams.first_block; every step has them: they zero the
+    lengths past its tokens), wrapping round to the sections before them;
+    what it writes is still the single ops'."""
+    from dsv4_cupy import step_kernel
+    from dsv4_cupy.bench.sections import section_ends
+    monkeypatch.setattr(step_kernel, "resident_blocks", lambda *args: 1)
+    first_at = step_kernel.PARAMS.offset_of("first_block")
+    builder = d4.DeepseekV4StepMetadataBuilder(
+        MAX_MODEL_LEN, MAX_TOKENS, num_speculative_tokens=SPEC, combined_prefill=True,
+        like=to_kind(np.zeros(1, I32), kind))
+    launches = count_launches(monkeypatch)    # the build's, then the single ops'
+    for _ in checked_builds(builder, kind, np.random.default_rng(23), STEPS, monkeypatch):
+        plan = launches[0]
+        launches.clear()
+        ends = section_ends(plan.storage)
+        first = int(plan.storage[first_at:first_at + 8].view(np.int64)[0])
+        assert 0 < first == ends["gather"] < ends["indexer_decode"]
+
+
+@pytest.mark.gpu
+def test_a_wave_is_the_step_kernels_resident_blocks():
+    from dsv4_cupy import loader, step_kernel
+    from dsv4_cupy.device import sm_count
+    variant = {"positions": np.dtype(I64), "slot_mapping": np.dtype(I64), "rotated": 0}
+    entry = step_kernel.FAMILY.entry_name(variant)
+    wave = loader.resident_blocks(step_kernel.FAMILY, entry, 256, 0)
+    assert wave % sm_count(0) == 0 and 0 < wave <= 8 * sm_count(0)    # 2048 threads an SM
+
+
 def test_the_combine_sections_carry_the_plans_rows_and_padding():
     """What the GPU launch packs for the combined rows (checked here, on the
     CPU, from the struct bytes): per launch at most MAX_PLAN_CHUNKS chunks,

@@ -30,6 +30,7 @@ from .step import INDEXER_DECODE_LAYOUT, STEP_CASES, prepared_launches, step_cas
 
 _END = struct.Struct("<q")     # StepSections' fields: int64 block ends
 _END_AT = {name: PARAMS.offset_of("sections", name) for name in SECTION_NAMES}
+_FIRST_BLOCK_AT = PARAMS.offset_of("first_block")
 
 
 def section_ends(storage: np.ndarray) -> dict:
@@ -38,9 +39,11 @@ def section_ends(storage: np.ndarray) -> dict:
 
 
 def _with_ends(storage: np.ndarray, ends: dict) -> np.ndarray:
+    """``storage`` with the block ends ``ends``, its grid run in order."""
     copy = storage.copy()
     for name, end in ends.items():
         _END.pack_into(copy, _END_AT[name], end)
+    _END.pack_into(copy, _FIRST_BLOCK_AT, 0)
     return copy
 
 
