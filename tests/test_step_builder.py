@@ -622,8 +622,9 @@ def test_a_wave_is_the_step_kernels_resident_blocks():
     from dsv4_cupy.device import sm_count
     variant = {"positions": np.dtype(I64), "slot_mapping": np.dtype(I64), "rotated": 0}
     entry = step_kernel.FAMILY.entry_name(variant)
-    wave = loader.resident_blocks(step_kernel.FAMILY, entry, 256, 0)
-    assert wave % sm_count(0) == 0 and 0 < wave <= 8 * sm_count(0)    # 2048 threads an SM
+    threads = step_kernel.FAMILY.threads(variant)
+    wave = loader.resident_blocks(step_kernel.FAMILY, entry, threads, 0)
+    assert wave % sm_count(0) == 0 and 0 < wave <= 2048 // threads * sm_count(0)  # 2048 threads an SM
 
 
 def test_the_combine_sections_carry_the_plans_rows_and_padding():
